@@ -1,0 +1,21 @@
+# The two commands of the README: `make demo` and `make test`. Each sets up everything
+# (OpenMPI, .venv, torch, Horovod, the project) first and reuses what is already there.
+PY := .venv/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test bench clean
+
+setup:
+	bash tools/setup.sh
+
+demo: setup
+	$(PY) -m regatta_cli demo
+
+test: setup
+	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+
+bench: setup
+	for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf runs .pytest_cache artifacts

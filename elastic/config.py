@@ -1,0 +1,133 @@
+"""Typed, validated configuration loaded from TOML with command-line overrides.
+
+A job's TOML file has one table per dataclass section, e.g. ``[train]`` and ``[model]``.
+Unknown keys and bad values raise :class:`ConfigError` naming the file, the key and the
+value, so a typo never silently falls back to a default.
+"""
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is wrong; the message names it."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    global_batch: int = 64          # samples per optimizer step, split across ranks
+    lr: float = 1e-3
+    optimizer: str = "adam"         # adam | sgd
+    commit_every: int = 10          # steps between in-memory commits
+    checkpoint_every: int = 5       # commits between durable checkpoints (0: never)
+    checkpoint_dir: str = ""        # "" -> <run_dir>/checkpoint
+    eval_every: int = 0             # steps between evaluations on rank 0 (0: only at end)
+    seed: int = 0
+    run_dir: str = "runs/latest"
+    db: str = ""                    # SQLite metrics store ("" -> <run_dir>/metrics.db)
+    ingest: str = ""                # dashboard URL; when set, metrics are POSTed there
+    progress: bool = True           # tqdm bar on rank 0
+
+    def __post_init__(self) -> None:
+        _require(self.steps > 0, f"train.steps must be > 0, got {self.steps}")
+        _require(self.global_batch > 0, f"train.global_batch must be > 0, got {self.global_batch}")
+        _require(self.lr > 0, f"train.lr must be > 0, got {self.lr}")
+        _require(self.optimizer in ("adam", "sgd"),
+                 f"train.optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
+        _require(self.commit_every > 0, f"train.commit_every must be > 0, got {self.commit_every}")
+        _require(self.checkpoint_every >= 0,
+                 f"train.checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        _require(self.eval_every >= 0, f"train.eval_every must be >= 0, got {self.eval_every}")
+
+    @property
+    def checkpoint_path(self) -> Path:
+        base = Path(self.checkpoint_dir) if self.checkpoint_dir else Path(self.run_dir) / "checkpoint"
+        return base / "state.pt"
+
+
+def _coerce(value: typing.Any, kind: typing.Any, where: str) -> typing.Any:
+    """Convert a TOML or command-line value to the field's type, or say why not."""
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+            return value.lower() in ("true", "1")
+        raise ConfigError(f"{where} must be true or false, got {value!r}")
+    if kind in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"{where} must be a number, got {value!r}")
+        try:
+            number = kind(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where} must be {'an integer' if kind is int else 'a number'}, "
+                              f"got {value!r}") from None
+        if kind is int and isinstance(value, float) and value != number:
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        return number
+    if kind is str:
+        if not isinstance(value, (str, int, float)):
+            raise ConfigError(f"{where} must be a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def build(cls: type, values: dict, where: str):
+    """Instantiate dataclass ``cls`` from ``values``, rejecting unknown keys by name."""
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r}; known keys: {', '.join(sorted(known))}")
+    kwargs = {k: _coerce(v, hints[k], f"{where}.{k}") for k, v in values.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError as err:
+        raise ConfigError(f"{where}: {err}") from None
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, dict[str, str]]:
+    """``["train.lr=0.01", "model.layers=4"]`` -> ``{"train": {"lr": "0.01"}, ...}``."""
+    tables: dict[str, dict[str, str]] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        section, dot, name = key.partition(".")
+        if not sep or not dot or not section or not name:
+            raise ConfigError(f"override {pair!r} must look like section.key=value")
+        tables.setdefault(section, {})[name] = value
+    return tables
+
+
+def load(path: str | Path, sections: dict[str, type], overrides: dict[str, dict] | None = None) -> dict:
+    """Load TOML ``path`` into one dataclass per section; ``overrides`` win over the file."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: not valid TOML: {err}") from None
+    overrides = overrides or {}
+    unknown = sorted((set(raw) | set(overrides)) - set(sections))
+    if unknown:
+        raise ConfigError(f"{path}: unknown table [{unknown[0]}]; known: {', '.join(sections)}")
+    result = {}
+    for name, cls in sections.items():
+        table = dict(raw.get(name, {}))
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: [{name}] must be a table")
+        table.update(overrides.get(name, {}))
+        result[name] = build(cls, table, f"{path.name} [{name}]")
+    return result
+
+
+__all__ = ["ConfigError", "TrainConfig", "build", "load", "parse_overrides"]

@@ -1,0 +1,151 @@
+"""Elastic data-parallel training on Horovod.
+
+Each step every rank computes the summed loss of its share of the global batch, then one
+fused allreduce carries the gradients, the loss, the sample count and the host-update
+flags; gradients are divided by the global count, so any split of the batch (uneven
+shares, a new world size) gives the combined batch's mean gradient. Carrying the host
+flags in that allreduce lets workers react to an added host at the very next step without
+the extra broadcast Horovod's ``check_host_updates`` costs.
+
+Launched by ``horovodrun`` (elastic), ``mpirun`` (fixed world) or as one process; see
+jobs/*.py for the commands.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+
+import horovod.torch as hvd
+import torch
+from horovod.common.exceptions import HostsUpdatedInterrupt
+from horovod.runner.elastic.worker import HostUpdateResult
+from tqdm import tqdm
+
+from .config import TrainConfig
+from .events import EventLog
+from .faults import FaultPlan
+from .job import Job
+from .sampler import global_batch, rank_share
+from .state import TrainState
+from .world import World
+
+
+@dataclass
+class StepStats:
+    loss: float
+    samples: int
+    data_time: float
+    compute_time: float
+    comm_time: float
+    step_time: float
+    bytes_sent: int
+    host_update: int = 0   # HostUpdateResult flags agreed by all ranks
+
+
+@dataclass
+class Session:
+    """What the loop needs besides the state; ``world`` is replaced on every reset."""
+    job: Job
+    cfg: TrainConfig
+    data: tuple
+    events: EventLog
+    faults: FaultPlan
+    world: World
+    on_step: list = field(default_factory=list)   # callbacks(session, state, stats)
+    bar: tqdm | None = None
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
+    return torch.optim.Adam(model.parameters(), lr=cfg.lr)
+
+
+def drain_host_updates(state: TrainState) -> int:
+    """Host-change notifications Horovod's driver sent this rank since the last step."""
+    update = HostUpdateResult.no_update
+    while not state._host_messages.empty():
+        timestamp, result = state._host_messages.get()
+        if timestamp > state._last_updated_timestamp:
+            state._last_updated_timestamp = timestamp
+            update |= result
+    return int(update)
+
+
+def allreduce_step(model, loss_sum, count, host_update, world) -> tuple[float, int, int, int]:
+    """Sum gradients, loss, count and host flags over ranks in one fused allreduce;
+    leave mean gradients in ``.grad``. Returns (mean loss, global count, flags, bytes)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    extras = torch.tensor([float(loss_sum), float(count),
+                           float(host_update & HostUpdateResult.removed),
+                           float(host_update & HostUpdateResult.added)])
+    flat = torch.cat([g.reshape(-1) for g in grads] + [extras])
+    if world.size > 1:
+        hvd.allreduce_(flat, op=hvd.Sum, name="regatta.step")
+    total_count = int(round(flat[-3].item()))
+    flat[:-4].div_(max(total_count, 1))
+    offset = 0
+    for param, grad in zip(params, grads):
+        param.grad = flat[offset:offset + grad.numel()].view_as(grad)
+        offset += grad.numel()
+    flags = (HostUpdateResult.removed if flat[-2] > 0 else 0) | \
+            (HostUpdateResult.added if flat[-1] > 0 else 0)
+    return flat[-4].item() / max(total_count, 1), total_count, int(flags), flat.numel() * 4
+
+
+def train_step(state: TrainState, session: Session) -> StepStats:
+    cfg, world, job = session.cfg, session.world, session.job
+    started = time.perf_counter()
+    dataset_size = len(session.data[0])
+    step_indices = global_batch(state.cursor, dataset_size, cfg.global_batch, cfg.seed)
+    indices = rank_share(step_indices, world.rank, world.size)
+    batch = tuple(t[indices] for t in session.data)
+    # Dropout and other randomness replay identically after a restore.
+    torch.manual_seed(cfg.seed * 1_000_003 + state.step * 1009 + world.rank)
+    data_done = time.perf_counter()
+
+    state.model.train()
+    state.optimizer.zero_grad(set_to_none=True)
+    if len(indices):
+        loss_sum, count = job.loss_sum(state.model, batch)
+        loss_sum.backward()
+        loss_value = loss_sum.item()
+    else:
+        loss_value, count = 0.0, 0
+    session.faults.after_compute(world, state.step, data_done)
+    compute_done = time.perf_counter()
+
+    loss, total, flags, nbytes = allreduce_step(state.model, loss_value, count,
+                                                drain_host_updates(state), world)
+    comm_done = time.perf_counter()
+    state.optimizer.step()
+    state.cursor = state.cursor.advance(len(step_indices), dataset_size)
+    state.step += 1
+    return StepStats(loss=loss, samples=len(indices), data_time=data_done - started,
+                     compute_time=compute_done - data_done, comm_time=comm_done - compute_done,
+                     step_time=time.perf_counter() - started, bytes_sent=nbytes, host_update=flags)
+
+
+def train_loop(state: TrainState, session: Session) -> None:
+    """The body ``hvd.elastic.run`` re-enters after every reset."""
+    cfg = session.cfg
+    while state.step < cfg.steps:
+        session.faults.before_step(session.world, state.step)
+        stats = train_step(state, session)
+        for callback in session.on_step:
+            callback(session, state, stats)
+        if stats.host_update:
+            state.commit(reason="membership")
+            raise HostsUpdatedInterrupt(stats.host_update == HostUpdateResult.removed)
+        if state.step % cfg.commit_every == 0 or state.step == cfg.steps:
+            state.commit()
+
+
+def parameter_hash(model: torch.nn.Module) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]

@@ -1,0 +1,48 @@
+"""Fault injection for tests, benchmarks and the demo, planned by the launcher.
+
+``regatta local`` passes the plan to every worker in ``REGATTA_FAULTS`` (JSON). Workers
+act on it at exact steps, which keeps fault tests repeatable:
+
+* ``kill``: ``[{"host": H, "step": S}]``: every worker on host H SIGKILLs itself when it
+  reaches step S (a real SIGKILL; the process gets no chance to clean up).
+* ``slow``: ``{H: factor}``: workers on H stretch their compute time by ``factor``.
+* ``pause``: ``[{"host": H, "step": S, "seconds": T}]``: workers on H stall for T seconds
+  (a hung data loader): alive, silent, and must not be declared dead.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+ENV = "REGATTA_FAULTS"
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    kill: list = field(default_factory=list)
+    slow: dict = field(default_factory=dict)
+    pause: list = field(default_factory=list)
+
+    @classmethod
+    def from_env(cls) -> "FaultPlan":
+        text = os.environ.get(ENV, "")
+        return cls(**json.loads(text)) if text else cls()
+
+    def to_env(self) -> str:
+        return json.dumps({"kill": self.kill, "slow": self.slow, "pause": self.pause})
+
+    def before_step(self, world, step: int) -> None:
+        for fault in self.pause:
+            if fault["host"] == world.host and fault["step"] == step:
+                time.sleep(fault["seconds"])
+        for fault in self.kill:
+            if fault["host"] == world.host and fault["step"] == step:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def after_compute(self, world, step: int, compute_started: float) -> None:
+        factor = self.slow.get(world.host)
+        if factor and factor > 1:
+            time.sleep((time.perf_counter() - compute_started) * (factor - 1))

@@ -1,0 +1,1 @@
+"""Launcher side: host lists, local multi-host simulation, run reports."""

@@ -1,0 +1,99 @@
+"""Run one job to completion on whatever world the launcher made.
+
+The same entry serves ``horovodrun`` elastic (``hvd.elastic.run`` re-enters the loop after
+every reset), ``mpirun`` (a fixed world) and a single process.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import horovod.torch as hvd
+import torch
+from tqdm import tqdm
+
+from .config import TrainConfig
+from .dataparallel import Session, make_optimizer, parameter_hash, train_loop
+from .events import EventLog, Progress
+from .faults import FaultPlan
+from .job import Job
+from .state import TrainState
+from .world import World, launched_elastic
+
+
+def run(job: Job, cfg: TrainConfig, on_step: list | None = None) -> dict:
+    hvd.init()
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    world = World.from_horovod(hvd)
+    events = EventLog(run_dir, world.host, world.slot)
+    events.rank = world.rank
+    events.record("start", None, size=world.size, elastic=launched_elastic())
+
+    torch.manual_seed(cfg.seed)   # identical initial weights everywhere, before any sync
+    model = job.build_model()
+    state = TrainState(model, make_optimizer(model, cfg), events=events,
+                       checkpoint_path=cfg.checkpoint_path,
+                       checkpoint_every=cfg.checkpoint_every)
+    if world.is_root:
+        state.resume_from_checkpoint()
+    session = Session(job=job, cfg=cfg, data=job.train_data(), events=events,
+                      faults=FaultPlan.from_env(), world=world, on_step=list(on_step or []))
+    session.on_step.append(_progress_reporter(run_dir, cfg))
+
+    def on_reset() -> None:
+        before = session.world
+        session.world = World.from_horovod(hvd, generation=before.generation + 1)
+        events.rank = session.world.rank
+        events.record("reset", state.step, size_before=before.size,
+                      size_after=session.world.size, rank_before=before.rank)
+
+    state.register_reset_callbacks([on_reset])
+    if launched_elastic():
+        hvd.elastic.run(train_loop)(state, session)
+    else:
+        state.sync()
+        train_loop(state, session)
+    return finish(state, session)
+
+
+def finish(state: TrainState, session: Session) -> dict:
+    """Evaluate, record the outcome and this rank's parameter hash."""
+    world, run_dir = session.world, Path(session.cfg.run_dir)
+    if session.bar is not None:
+        session.bar.close()
+    result = {"host": world.host, "slot": world.slot, "rank": world.rank,
+              "world_size": world.size, "step": state.step,
+              "param_hash": parameter_hash(state.model), "wall_time": time.time()}
+    if world.is_root:
+        state.write_checkpoint()
+        result["metrics"] = session.job.evaluate(state.model)
+        (run_dir / "result.json").write_text(json.dumps(result, indent=1))
+    (run_dir / "final").mkdir(exist_ok=True)
+    (run_dir / "final" / f"{world.host}-{world.slot}.json").write_text(json.dumps(result))
+    session.events.record("finish", state.step, size=world.size)
+    session.events.close()
+    return result
+
+
+def _progress_reporter(run_dir: Path, cfg: TrainConfig):
+    """Rank 0 keeps a tqdm bar and the step counter the launcher polls."""
+    progress = None
+
+    def report(session: Session, state: TrainState, stats) -> None:
+        nonlocal progress
+        if not session.world.is_root:
+            return
+        if progress is None:
+            progress = Progress(run_dir)
+        progress.update(state.step, session.world.size)
+        if cfg.progress:
+            if session.bar is None:
+                session.bar = tqdm(total=cfg.steps, initial=state.step, desc=session.job.name,
+                                   unit="step", dynamic_ncols=True)
+            session.bar.n = state.step
+            session.bar.set_postfix(loss=f"{stats.loss:.4f}", np=session.world.size,
+                                    refresh=False)
+            session.bar.update(0)
+    return report

@@ -1,0 +1,77 @@
+"""Handwritten-digit classifier on scikit-learn's bundled 8x8 digits (no download).
+
+    python -m jobs.digits                                   # one process
+    mpirun -np 2 --hostfile hostfiles/localhost.txt python -m jobs.digits
+    horovodrun -np 2 --min-np 1 --max-np 4 --host-discovery-script \
+        "hostfiles/discover.sh hostfiles/hosts.txt" python -m jobs.digits
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from elastic.config import ConfigError
+
+
+@dataclass
+class DigitsConfig:
+    hidden: int = 128
+    dropout: float = 0.1
+    test_fraction: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.hidden <= 0:
+            raise ConfigError(f"model.hidden must be > 0, got {self.hidden}")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if not 0 < self.test_fraction < 1:
+            raise ConfigError(f"model.test_fraction must be in (0, 1), got {self.test_fraction}")
+
+
+class DigitsJob:
+    name = "digits"
+
+    def __init__(self, cfg: DigitsConfig):
+        from sklearn.datasets import load_digits
+        self.cfg = cfg
+        digits = load_digits()
+        x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+        y = torch.tensor(digits.target, dtype=torch.long)
+        # A fixed split, independent of the training seed, so runs compare.
+        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(1234))
+        n_test = int(len(x) * cfg.test_fraction)
+        self.test = (x[order[:n_test]], y[order[:n_test]])
+        self.train = (x[order[n_test:]], y[order[n_test:]])
+
+    def build_model(self) -> nn.Module:
+        return nn.Sequential(nn.Linear(64, self.cfg.hidden), nn.ReLU(), nn.Dropout(self.cfg.dropout),
+                             nn.Linear(self.cfg.hidden, self.cfg.hidden), nn.ReLU(),
+                             nn.Linear(self.cfg.hidden, 10))
+
+    def train_data(self) -> tuple[torch.Tensor, ...]:
+        return self.train
+
+    def loss_sum(self, model, batch):
+        x, y = batch
+        return nn.functional.cross_entropy(model(x), y, reduction="sum"), len(y)
+
+    @torch.no_grad()
+    def evaluate(self, model) -> dict[str, float]:
+        model.eval()
+        x, y = self.test
+        logits = model(x)
+        return {"accuracy": (logits.argmax(1) == y).float().mean().item(),
+                "test_loss": nn.functional.cross_entropy(logits, y).item()}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from elastic import runner
+    from jobs.common import parse
+    train, model = parse("digits", DigitsConfig, argv)
+    return runner.run(DigitsJob(model), train)
+
+
+if __name__ == "__main__":
+    main()

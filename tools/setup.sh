@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Idempotent set-up of everything Regatta needs on a fresh Debian machine:
+#   bash tools/setup.sh            (called by `make setup`, `make demo`, `make test`)
+# Installs OpenMPI (Debian), a virtualenv in .venv, torch 2.13.0 CPU, mpi4py, Horovod
+# 0.28.1 built from its sdist with the C++17 change (see ../shared/DESIGN.md), and the
+# project itself. A built Horovod wheel is cached outside the checkout, keyed by Horovod,
+# torch and Python versions, so a second set-up takes seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+HOROVOD_VERSION=0.28.1
+TORCH_VERSION=2.13.0
+VENV=${REGATTA_VENV:-.venv}
+CACHE=${REGATTA_CACHE:-$HOME/.cache/regatta}
+STAMP=$VENV/.regatta-setup-done
+
+step() { printf '\n==> [%s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+
+need_apt=()
+command -v mpirun >/dev/null || need_apt+=(openmpi-bin)
+[ -f /usr/include/x86_64-linux-gnu/openmpi/mpi.h ] || [ -n "$(ls /usr/lib/*/openmpi/include/mpi.h 2>/dev/null)" ] || need_apt+=(libopenmpi-dev)
+command -v cmake >/dev/null || need_apt+=(cmake)
+command -v chromium >/dev/null || need_apt+=(chromium)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  step "apt-get install ${need_apt[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -q
+  apt-get install -y -q --no-install-recommends "${need_apt[@]}"
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  step "virtualenv $VENV"
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q --upgrade pip wheel setuptools
+fi
+PY=$VENV/bin/python
+PIP="$PY -m pip"
+
+if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ] && [ "$STAMP" -nt tools/setup.sh ]; then
+  exit 0
+fi
+
+if ! $PY -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+  step "torch $TORCH_VERSION (CPU, from the machine's disk when it is there)"
+  $PIP install --progress-bar on "torch==$TORCH_VERSION"
+fi
+
+PYTAG=$($PY -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+WHEELDIR=$CACHE/horovod-$HOROVOD_VERSION-torch$TORCH_VERSION-$PYTAG
+if ! $PY -c "import horovod.torch" 2>/dev/null; then
+  if ! ls "$WHEELDIR"/horovod-*.whl >/dev/null 2>&1; then
+    step "building Horovod $HOROVOD_VERSION (several minutes on two cores; cached in $WHEELDIR)"
+    $PIP install -q cloudpickle psutil pyyaml packaging cffi
+    build=$(mktemp -d)
+    $PIP download -q --no-deps --no-binary :all: -d "$build" "horovod==$HOROVOD_VERSION"
+    tar -xzf "$build"/horovod-$HOROVOD_VERSION.tar.gz -C "$build"
+    src=$build/horovod-$HOROVOD_VERSION
+    # Current torch headers need C++17; upstream made this change after 0.28.1.
+    sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' \
+      "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
+    grep -q 'CMAKE_CXX_STANDARD 17' "$src/horovod/torch/CMakeLists.txt"
+    mkdir -p "$WHEELDIR"
+    # Build output goes to a log; a dot a minute shows it is alive.
+    ( while sleep 60; do printf '.'; done ) & ticker=$!
+    trap 'kill $ticker 2>/dev/null || true' EXIT
+    if ! env HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
+        HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
+        MAKEFLAGS=-j"$(nproc)" HOROVOD_BUILD_ARCH_FLAGS="" \
+        $PIP wheel --no-deps --no-build-isolation -w "$WHEELDIR" "$src" >"$build/build.log" 2>&1; then
+      kill $ticker 2>/dev/null || true
+      tail -n 60 "$build/build.log"; echo "Horovod build failed; full log: $build/build.log" >&2
+      exit 1
+    fi
+    kill $ticker 2>/dev/null || true
+    echo
+  fi
+  step "installing cached Horovod wheel"
+  $PIP install -q --no-deps "$WHEELDIR"/horovod-*.whl
+  $PIP install -q cloudpickle psutil pyyaml packaging cffi
+fi
+
+step "project and its dependencies"
+$PIP install -q -e ".[test]"
+"$VENV/bin/horovodrun" --check-build
+touch "$STAMP"
