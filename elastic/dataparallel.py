@@ -52,8 +52,10 @@ class Session:
     events: EventLog
     faults: FaultPlan
     world: World
+    on_enter: list = field(default_factory=list)  # callbacks(session, state) on every (re)entry
     on_step: list = field(default_factory=list)   # callbacks(session, state, stats)
     bar: tqdm | None = None
+    entries: int = 0        # times this process entered the loop (1 + resets it lived through)
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -131,13 +133,22 @@ def train_step(state: TrainState, session: Session) -> StepStats:
 def train_loop(state: TrainState, session: Session) -> None:
     """The body ``hvd.elastic.run`` re-enters after every reset."""
     cfg = session.cfg
+    session.entries += 1
+    for callback in session.on_enter:
+        callback(session, state)
+    entered = True
     while state.step < cfg.steps:
-        session.faults.before_step(session.world, state.step)
+        session.faults.before_step(session.world, state.step, session.events)
         stats = train_step(state, session)
+        if entered:   # the end of a recovery: first step done in this world
+            session.events.record("resumed", state.step, size=session.world.size,
+                                  step_time=stats.step_time)
+            entered = False
         for callback in session.on_step:
             callback(session, state, stats)
         if stats.host_update:
             state.commit(reason="membership")
+            state.before_reset()
             raise HostsUpdatedInterrupt(stats.host_update == HostUpdateResult.removed)
         if state.step % cfg.commit_every == 0 or state.step == cfg.steps:
             state.commit()

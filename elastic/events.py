@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -20,11 +21,13 @@ class EventLog:
         self._file = open(self.path, "a", buffering=1)
         self.host, self.slot, self.sink, self.run_id = host, slot, sink, run_id
         self.rank: int | None = None
+        self._lock = threading.Lock()   # the lifeline watchdog records from its own thread
 
     def record(self, kind: str, step: int | None = None, **detail) -> dict:
         event = {"kind": kind, "wall_time": time.time(), "step": step, "host": self.host,
                  "slot": self.slot, "rank": self.rank, "pid": os.getpid(), **detail}
-        self._file.write(json.dumps(event) + "\n")
+        with self._lock:
+            self._file.write(json.dumps(event) + "\n")
         if self.sink is not None:
             self.sink.emit({"type": "event", "run_id": self.run_id, "wall_time": event["wall_time"],
                             "step": step, "kind": kind, "host": self.host, "rank": self.rank,

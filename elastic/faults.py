@@ -34,12 +34,13 @@ class FaultPlan:
     def to_env(self) -> str:
         return json.dumps({"kill": self.kill, "slow": self.slow, "pause": self.pause})
 
-    def before_step(self, world, step: int) -> None:
+    def before_step(self, world, step: int, events) -> None:
         for fault in self.pause:
             if fault["host"] == world.host and fault["step"] == step:
                 time.sleep(fault["seconds"])
         for fault in self.kill:
             if fault["host"] == world.host and fault["step"] == step:
+                events.record("failure", step, cause="SIGKILL (injected)", size=world.size)
                 os.kill(os.getpid(), signal.SIGKILL)
 
     def after_compute(self, world, step: int, compute_started: float) -> None:

@@ -6,6 +6,7 @@ every reset), ``mpirun`` (a fixed world) and a single process.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -19,17 +20,23 @@ from .events import EventLog, Progress
 from .faults import FaultPlan
 from .job import Job
 from .state import TrainState
-from .world import World, launched_elastic
+from .lifeline import FastRecovery
+from .world import World, launched_elastic, launcher_host_name
 
 
 def run(job: Job, cfg: TrainConfig, on_step: list | None = None) -> dict:
-    hvd.init()
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    events = EventLog(run_dir, launcher_host_name(), int(os.environ.get("HOROVOD_LOCAL_RANK", 0)))
+    elastic = launched_elastic()
+    recovery = FastRecovery(events) if elastic and os.environ.get("REGATTA_FAST_RECOVERY", "1") == "1" else None
+    if recovery:
+        recovery.before_init()
+    hvd.init()
+    _share_cores()
     world = World.from_horovod(hvd)
-    events = EventLog(run_dir, world.host, world.slot)
     events.rank = world.rank
-    events.record("start", None, size=world.size, elastic=launched_elastic())
+    events.record("start", None, size=world.size, elastic=elastic, fast_recovery=bool(recovery))
 
     torch.manual_seed(cfg.seed)   # identical initial weights everywhere, before any sync
     model = job.build_model()
@@ -41,21 +48,39 @@ def run(job: Job, cfg: TrainConfig, on_step: list | None = None) -> dict:
     session = Session(job=job, cfg=cfg, data=job.train_data(), events=events,
                       faults=FaultPlan.from_env(), world=world, on_step=list(on_step or []))
     session.on_step.append(_progress_reporter(run_dir, cfg))
+    session.on_enter.append(_rebuild_world)
+    if recovery:
+        state.before_reset_hooks.append(recovery.before_init)
+        session.on_enter.append(lambda session, state: recovery.enter(hvd, session.world))
 
     def on_reset() -> None:
-        before = session.world
-        session.world = World.from_horovod(hvd, generation=before.generation + 1)
-        events.rank = session.world.rank
-        events.record("reset", state.step, size_before=before.size,
-                      size_after=session.world.size, rank_before=before.rank)
+        events.rank = hvd.rank()
+        events.record("reset", state.step, size_before=session.world.size, size_after=hvd.size(),
+                      rank_before=session.world.rank)
 
     state.register_reset_callbacks([on_reset])
-    if launched_elastic():
+    if elastic:
         hvd.elastic.run(train_loop)(state, session)
     else:
         state.sync()
         train_loop(state, session)
+    if recovery:
+        recovery.close()
     return finish(state, session)
+
+
+def _rebuild_world(session: Session, state: TrainState) -> None:
+    """A new immutable World for this generation, before anything uses rank or size."""
+    session.world = World.from_horovod(hvd, generation=session.entries - 1)
+    session.events.rank = session.world.rank
+
+
+def _share_cores() -> None:
+    """Several ranks on one machine must not each spin a thread per core: with 3 ranks on
+    2 cores that oversubscription made steps 50x slower. ``regatta local`` says how many
+    processes share the machine; otherwise Horovod's local size does."""
+    sharing = int(os.environ.get("REGATTA_PROCS_PER_MACHINE", 0)) or hvd.local_size()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // sharing))
 
 
 def finish(state: TrainState, session: Session) -> dict:

@@ -27,6 +27,7 @@ class TrainState(hvd.elastic.TorchState):
         self._checkpoint_path = checkpoint_path
         self._checkpoint_every = checkpoint_every
         self._commits = 0
+        self.before_reset_hooks: list = []   # run before Horovod re-initialises
         super().__init__(model=model, optimizer=optimizer, step=0, epoch=0, consumed=0)
 
     # -- the sampler cursor lives in two plain attributes so ObjectState can sync them
@@ -50,7 +51,13 @@ class TrainState(hvd.elastic.TorchState):
         if self._checkpoint_every and self._commits % self._checkpoint_every == 0:
             self.write_checkpoint()
 
+    def before_reset(self) -> None:
+        for hook in self.before_reset_hooks:
+            hook()
+
     def restore(self) -> None:
+        """Called by ``hvd.elastic.run`` after a failed collective, before the reset."""
+        self.before_reset()
         failed_at = self.step
         super().restore()
         self.optimizer.zero_grad(set_to_none=True)
