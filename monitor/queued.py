@@ -1,0 +1,253 @@
+"""The machinery behind the queued sinks: bounded queue, worker thread, spool, retries.
+
+``emit(row)`` validates the row, gives it a ``uid`` (``"<producer_id>:<seq>"``) if it has
+none, and puts it on a bounded in-memory queue; a daemon thread drains the queue and
+delivers batches (every ``flush_interval`` seconds or ``batch_size`` rows). A batch that
+cannot be delivered is appended to a local spool file and replayed, oldest first, once
+the destination answers again. If the queue is full, ``emit`` spills the row straight to
+the spool rather than block training. The destination ignores uids it has already
+stored, so replays and retries are exactly-once.
+
+The implementations (SQLiteSink, HttpSink) and ``make_sink`` live in monitor.sink.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import os
+import queue
+import secrets
+import socket
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from monitor.spool import Spool
+from monitor.store import validate_row
+
+log = logging.getLogger("regatta.monitor.sink")
+_FLUSH, _STOP = object(), object()  # queue markers for the worker
+
+
+def default_producer_id() -> str:
+    """Unique per process *instance*: a restarted worker must not reuse old uids."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def default_spool_dir() -> str:
+    return os.environ.get("REGATTA_SPOOL_DIR") or os.path.join(tempfile.gettempdir(),
+                                                              "regatta-spool")
+
+
+@dataclass
+class SinkConfig:
+    """Batching, buffering and retry settings shared by every queued sink."""
+
+    batch_size: int = 500         # rows per delivery
+    flush_interval: float = 1.0   # seconds a row may wait before its batch is sent
+    queue_size: int = 10_000      # rows buffered in memory before emit spills to disk
+    retry_min: float = 0.5        # first wait after a failed delivery, doubled each time
+    retry_max: float = 10.0       # longest wait between delivery attempts
+    producer_id: str = field(default_factory=default_producer_id)
+
+
+class Rejected(Exception):
+    """The destination refused a batch for good (invalid rows): retrying cannot help."""
+
+
+class Sink:
+    """Interface: ``emit`` never blocks; ``flush`` waits; ``close`` flushes and stops."""
+
+    def emit(self, row: dict) -> None:
+        raise NotImplementedError
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every row emitted so far is delivered or spooled; False on timeout."""
+        return True
+
+    def close(self, timeout: Optional[float] = 10.0) -> None:
+        """Flush, try once more to deliver the spool, and stop."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class QueuedSink(Sink):
+    """The queue, worker thread, spool and retry logic; subclasses implement _deliver."""
+
+    def __init__(self, destination: str, spool_path: Optional[str] = None,
+                 spool_dir: Optional[str] = None, config: Optional[SinkConfig] = None):
+        self.config = config or SinkConfig()
+        self._queue: queue.Queue = queue.Queue(self.config.queue_size)
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._accepted = self._handled = 0  # rows queued / rows delivered or spooled
+        self._retry_at, self._delay, self._failing = 0.0, 0.0, False
+        self.failures = 0  # failed delivery attempts, for tests and health reporting
+        self._closed = False
+        if spool_path is None:  # auto-named: also adopt what dead producers left behind
+            tag = hashlib.sha1(destination.encode()).hexdigest()[:10]
+            folder = spool_dir or default_spool_dir()
+            spool_path = os.path.join(folder, f"{tag}.{self.config.producer_id}.jsonl")
+            self._spool = Spool(spool_path)
+            self._spool.adopt(f"{tag}.*.jsonl")
+        else:
+            self._spool = Spool(spool_path)
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"regatta-sink-{self.config.producer_id}")
+        self._thread.start()
+
+    @property
+    def spooled(self) -> int:
+        """Rows waiting in the spool file for the destination to come back."""
+        return len(self._spool)
+
+    def emit(self, row: dict) -> None:
+        """Queue one row (a copy); raises ValueError at once if the row is malformed."""
+        if self._closed:
+            raise RuntimeError("emit() on a closed sink")
+        validate_row(row)
+        row = dict(row)
+        if row.get("uid") is None:
+            row["uid"] = f"{self.config.producer_id}:{next(self._seq)}"
+        try:
+            self._queue.put_nowait(row)
+        except queue.Full:  # the worker is behind: go to disk, never wait
+            self._spool.append([row])
+            return
+        with self._cond:
+            self._accepted += 1
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every row emitted so far is delivered or spooled; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            target = self._accepted
+        try:  # a marker makes the worker send its partial batch now
+            self._queue.put(_FLUSH, timeout=timeout)
+        except queue.Full:
+            return False
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        with self._cond:
+            return self._cond.wait_for(lambda: self._handled >= target, left)
+
+    def close(self, timeout: Optional[float] = 10.0) -> None:
+        """Flush, try once more to deliver the spool, stop the worker and release the
+        spool. Rows still undelivered stay in the spool file for a later sink to adopt.
+        Call it after the last emit (it is not meant to race with emitting threads)."""
+        if self._closed:
+            return
+        self._closed = True
+        deadline = time.monotonic() + (timeout if timeout is not None else 1e9)
+        try:
+            self._queue.put(_STOP, timeout=timeout)
+            self._thread.join(max(0.0, deadline - time.monotonic()))
+        except queue.Full:
+            pass
+        if self._thread.is_alive():
+            log.warning("sink %s: worker still busy after close(%s)", self, timeout)
+            return
+        if len(self._spool):
+            log.warning("%d undelivered rows stay in %s for a later replay",
+                        len(self._spool), self._spool.path)
+        self._spool.close()
+
+    # -- worker thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        stop = False
+        while not stop:
+            batch, stop = self._collect()
+            try:
+                if batch:
+                    self._handle(batch)
+                self._replay(force=stop)
+            except Exception:  # noqa: BLE001 - e.g. the spool's disk is full
+                # Say so loudly, but keep the thread alive: flush() must not hang forever.
+                log.exception("sink %s: could neither deliver nor spool %d rows", self,
+                              len(batch))
+            with self._cond:
+                self._handled += len(batch)
+                self._cond.notify_all()
+
+    def _collect(self) -> tuple[list, bool]:
+        """Up to batch_size rows, at most flush_interval after the first; (rows, stop)."""
+        batch: list = []
+        deadline = None
+        while len(batch) < self.config.batch_size:
+            wait = self.config.flush_interval if deadline is None else deadline - time.monotonic()
+            try:
+                item = self._queue.get(timeout=max(0.0, wait))
+            except queue.Empty:
+                break
+            if item is _FLUSH:
+                break
+            if item is _STOP:
+                return batch, True
+            batch.append(item)
+            if deadline is None:
+                deadline = time.monotonic() + self.config.flush_interval
+        return batch, False
+
+    def _handle(self, batch: list) -> None:
+        if time.monotonic() < self._retry_at:  # known down: do not wait on it again
+            self._spool.append(batch)
+            return
+        try:
+            self._deliver(batch)
+        except Rejected as exc:
+            self._reject(batch, exc)
+        except Exception as exc:  # noqa: BLE001 - any failure means "keep it for later"
+            self._spool.append(batch)
+            self._failed(exc)
+        else:
+            self._succeeded()
+
+    def _replay(self, force: bool = False) -> None:
+        """Deliver the spool oldest first until empty or the destination fails again."""
+        if not len(self._spool) or (not force and time.monotonic() < self._retry_at):
+            return
+        while len(self._spool):
+            rows, token = self._spool.peek(self.config.batch_size)
+            try:
+                if rows:
+                    self._deliver(rows)
+            except Rejected as exc:
+                self._reject(rows, exc)
+            except Exception as exc:  # noqa: BLE001
+                self._failed(exc)
+                return
+            self._spool.consume(token)
+        self._succeeded()
+
+    def _failed(self, exc: Exception) -> None:
+        self.failures += 1
+        self._delay = min(self.config.retry_max, max(self.config.retry_min, self._delay * 2))
+        self._retry_at = time.monotonic() + self._delay
+        if not self._failing:  # once per outage, not once per batch
+            log.warning("sink %s: delivery failed (%s); spooling to %s", self, exc,
+                        self._spool.path)
+        self._failing = True
+
+    def _succeeded(self) -> None:
+        if self._failing:
+            log.info("sink %s: delivering again", self)
+        self._failing, self._delay, self._retry_at = False, 0.0, 0.0
+
+    def _reject(self, rows: list, exc: Exception) -> None:
+        """Keep refused rows aside for a human instead of retrying them forever."""
+        path = self._spool.path + ".rejected"
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.writelines(json.dumps(r) + "\n" for r in rows)
+        log.error("sink %s: %d rows rejected (%s); kept in %s", self, len(rows), exc, path)
+
+    def _deliver(self, rows: list[dict]) -> None:
+        """Store rows at the destination or raise (Rejected: never retry them)."""
+        raise NotImplementedError
