@@ -147,11 +147,11 @@ def train_loop(state: TrainState, session: Session) -> None:
         for callback in session.on_step:
             callback(session, state, stats)
         if stats.host_update:
-            state.commit(reason="membership")
+            state.commit(reason="membership", loss=stats.loss)
             state.before_reset()
             raise HostsUpdatedInterrupt(stats.host_update == HostUpdateResult.removed)
         if state.step % cfg.commit_every == 0 or state.step == cfg.steps:
-            state.commit()
+            state.commit(loss=stats.loss)
 
 
 def parameter_hash(model: torch.nn.Module) -> str:

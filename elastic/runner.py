@@ -59,6 +59,7 @@ def run(job: Job, cfg: TrainConfig, on_step: list | None = None) -> dict:
                       rank_before=session.world.rank)
 
     state.register_reset_callbacks([on_reset])
+    events.record("ready", state.step)
     if elastic:
         hvd.elastic.run(train_loop)(state, session)
     else:

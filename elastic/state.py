@@ -10,6 +10,7 @@ sampler cursor. Three things differ from stock Horovod, each on purpose:
 """
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -27,6 +28,8 @@ class TrainState(hvd.elastic.TorchState):
         self._checkpoint_path = checkpoint_path
         self._checkpoint_every = checkpoint_every
         self._commits = 0
+        # Tests and audits ask for a parameter hash on every commit, restore and sync.
+        self._audit = os.environ.get("REGATTA_AUDIT") == "1"
         self.before_reset_hooks: list = []   # run before Horovod re-initialises
         super().__init__(model=model, optimizer=optimizer, step=0, epoch=0, consumed=0)
 
@@ -39,15 +42,21 @@ class TrainState(hvd.elastic.TorchState):
     def cursor(self, value: Cursor) -> None:
         self.epoch, self.consumed = value.epoch, value.consumed
 
-    def commit(self, reason: str = "periodic") -> None:
+    def _audit_fields(self) -> dict:
+        if not self._audit:
+            return {}
+        from .dataparallel import parameter_hash
+        return {"param_hash": parameter_hash(self.model)}
+
+    def commit(self, reason: str = "periodic", loss: float | None = None) -> None:
         """Snapshot in memory (and to disk every N commits). Host updates are checked in
         the training step's own allreduce, so unlike Horovod's commit this is local."""
         started = time.perf_counter()
         self.save()
         self._commits += 1
         cost = time.perf_counter() - started
-        self._events.record("commit", self.step, reason=reason, cost_s=cost,
-                            epoch=self.epoch, consumed=self.consumed)
+        self._events.record("commit", self.step, reason=reason, cost_s=cost, loss=loss,
+                            epoch=self.epoch, consumed=self.consumed, **self._audit_fields())
         if self._checkpoint_every and self._commits % self._checkpoint_every == 0:
             self.write_checkpoint()
 
@@ -62,7 +71,7 @@ class TrainState(hvd.elastic.TorchState):
         super().restore()
         self.optimizer.zero_grad(set_to_none=True)
         self._events.record("restore", self.step, from_step=failed_at,
-                            steps_redone=failed_at - self.step)
+                            steps_redone=failed_at - self.step, **self._audit_fields())
 
     def sync(self) -> None:
         started = time.perf_counter()
@@ -70,7 +79,7 @@ class TrainState(hvd.elastic.TorchState):
         self.optimizer.zero_grad(set_to_none=True)
         self.save()
         self._events.record("sync", self.step, cost_s=time.perf_counter() - started,
-                            size=hvd.size())
+                            size=hvd.size(), **self._audit_fields())
 
     def write_checkpoint(self) -> None:
         if hvd.rank() != 0:

@@ -127,7 +127,8 @@ class CharLMJob:
 def main(argv: list[str] | None = None) -> dict:
     from elastic import runner
     from jobs.common import parse
-    train, model = parse("charlm", CharLMConfig, argv)
+    config = parse("charlm", {"model": CharLMConfig}, argv)
+    train, model = config["train"], config["model"]
     return runner.run(CharLMJob(model), train)
 
 

@@ -13,8 +13,12 @@ TRAIN_FLAGS = {"steps": int, "global_batch": int, "lr": float, "commit_every": i
                "ingest": str, "seed": int, "eval_every": int}
 
 
-def parse(job_name: str, model_cls: type, argv: list[str] | None = None):
-    """Returns (train config, model config) or exits with a message naming the problem."""
+def parse(job_name: str, sections: dict[str, type], argv: list[str] | None = None,
+          flags: dict[str, tuple[str, type]] | None = None) -> dict:
+    """Parse the command line into one config dataclass per section (``train`` is always
+    there), or exit with status 2 and a message naming the problem. ``flags`` adds
+    shortcuts, e.g. ``{"pp": ("pipeline.pp", int)}`` for ``--pp 2``."""
+    flags = flags or {}
     default = Path(__file__).with_name(f"{job_name}.toml")
     parser = argparse.ArgumentParser(prog=f"python -m jobs.{job_name}",
                                      description=f"Train the {job_name} job.")
@@ -25,6 +29,9 @@ def parse(job_name: str, model_cls: type, argv: list[str] | None = None):
     for name, kind in TRAIN_FLAGS.items():
         parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
                             metavar=kind.__name__.upper(), help=f"train.{name}")
+    for name, (target, kind) in flags.items():
+        parser.add_argument("--" + name.replace("_", "-"), dest="extra_" + name, default=None,
+                            metavar=kind.__name__.upper(), help=target)
     args = parser.parse_args(argv)
     try:
         overrides = parse_overrides(args.set)
@@ -32,8 +39,12 @@ def parse(job_name: str, model_cls: type, argv: list[str] | None = None):
         train.update({k: getattr(args, k) for k in TRAIN_FLAGS if getattr(args, k) is not None})
         if args.no_progress:
             train["progress"] = "false"
-        sections = load(args.config, {"train": TrainConfig, "model": model_cls}, overrides)
+        for name, (target, _) in flags.items():
+            value = getattr(args, "extra_" + name)
+            if value is not None:
+                section, _, key = target.partition(".")
+                overrides.setdefault(section, {})[key] = value
+        return load(args.config, {"train": TrainConfig, **sections}, overrides)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         raise SystemExit(2)
-    return sections["train"], sections["model"]

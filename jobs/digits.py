@@ -69,7 +69,8 @@ class DigitsJob:
 def main(argv: list[str] | None = None) -> dict:
     from elastic import runner
     from jobs.common import parse
-    train, model = parse("digits", DigitsConfig, argv)
+    config = parse("digits", {"model": DigitsConfig}, argv)
+    train, model = config["train"], config["model"]
     return runner.run(DigitsJob(model), train)
 
 
