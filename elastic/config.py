@@ -34,7 +34,7 @@ class TrainConfig:
     eval_every: int = 0             # steps between evaluations on rank 0 (0: only at end)
     seed: int = 0
     run_dir: str = "runs/latest"
-    db: str = ""                    # SQLite metrics store ("" -> <run_dir>/metrics.db)
+    db: str = "runs/regatta.db"     # SQLite metrics store shared by every run here
     ingest: str = ""                # dashboard URL; when set, metrics are POSTed there
     progress: bool = True           # tqdm bar on rank 0
 
@@ -81,18 +81,19 @@ def _coerce(value: typing.Any, kind: typing.Any, where: str) -> typing.Any:
     return value
 
 
-def build(cls: type, values: dict, where: str):
+def build(cls: type, values: dict, section: str, source: str = "config"):
     """Instantiate dataclass ``cls`` from ``values``, rejecting unknown keys by name."""
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ConfigError(f"{where}: unknown key {unknown[0]!r}; known keys: {', '.join(sorted(known))}")
-    kwargs = {k: _coerce(v, hints[k], f"{where}.{k}") for k, v in values.items()}
+        raise ConfigError(f"{source}: [{section}] unknown key {unknown[0]!r}; "
+                          f"known keys: {', '.join(sorted(known))}")
     try:
+        kwargs = {k: _coerce(v, hints[k], f"{section}.{k}") for k, v in values.items()}
         return cls(**kwargs)
     except ConfigError as err:
-        raise ConfigError(f"{where}: {err}") from None
+        raise ConfigError(f"{source}: {err}") from None
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, dict[str, str]]:
@@ -126,7 +127,7 @@ def load(path: str | Path, sections: dict[str, type], overrides: dict[str, dict]
         if not isinstance(table, dict):
             raise ConfigError(f"{path}: [{name}] must be a table")
         table.update(overrides.get(name, {}))
-        result[name] = build(cls, table, f"{path.name} [{name}]")
+        result[name] = build(cls, table, name, path.name)
     return result
 
 

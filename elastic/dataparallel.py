@@ -38,9 +38,11 @@ class StepStats:
     data_time: float
     compute_time: float
     comm_time: float
+    wait_time: float
     step_time: float
     bytes_sent: int
     host_update: int = 0   # HostUpdateResult flags agreed by all ranks
+    arrivals: list = field(default_factory=list)   # every rank's data+compute seconds
 
 
 @dataclass
@@ -75,26 +77,40 @@ def drain_host_updates(state: TrainState) -> int:
     return int(update)
 
 
-def allreduce_step(model, loss_sum, count, host_update, world) -> tuple[float, int, int, int]:
-    """Sum gradients, loss, count and host flags over ranks in one fused allreduce;
-    leave mean gradients in ``.grad``. Returns (mean loss, global count, flags, bytes)."""
+@dataclass
+class Reduced:
+    loss: float           # mean loss over the global batch
+    count: int            # samples (or tokens) in the global batch
+    host_update: int      # HostUpdateResult flags any rank received
+    nbytes: int           # payload of the allreduce
+    arrivals: list        # seconds each rank took from step start to the allreduce
+
+
+def allreduce_step(model, loss_sum: float, count: int, host_update: int, arrival: float,
+                   world: World) -> Reduced:
+    """Sum gradients, loss, count, host flags and per-rank arrival times in one fused
+    allreduce and leave mean gradients in ``.grad``."""
     params = [p for p in model.parameters() if p.requires_grad]
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    extras = torch.tensor([float(loss_sum), float(count),
-                           float(host_update & HostUpdateResult.removed),
-                           float(host_update & HostUpdateResult.added)])
+    extras = torch.zeros(4 + world.size)
+    extras[:4] = torch.tensor([loss_sum, float(count),
+                               float(host_update & HostUpdateResult.removed),
+                               float(host_update & HostUpdateResult.added)])
+    extras[4 + world.rank] = arrival
     flat = torch.cat([g.reshape(-1) for g in grads] + [extras])
     if world.size > 1:
         hvd.allreduce_(flat, op=hvd.Sum, name="regatta.step")
-    total_count = int(round(flat[-3].item()))
-    flat[:-4].div_(max(total_count, 1))
+    tail = flat[-len(extras):].tolist()
+    total = int(round(tail[1]))
+    flat[:-len(extras)].div_(max(total, 1))
     offset = 0
     for param, grad in zip(params, grads):
         param.grad = flat[offset:offset + grad.numel()].view_as(grad)
         offset += grad.numel()
-    flags = (HostUpdateResult.removed if flat[-2] > 0 else 0) | \
-            (HostUpdateResult.added if flat[-1] > 0 else 0)
-    return flat[-4].item() / max(total_count, 1), total_count, int(flags), flat.numel() * 4
+    flags = (HostUpdateResult.removed if tail[2] > 0 else 0) | \
+            (HostUpdateResult.added if tail[3] > 0 else 0)
+    return Reduced(loss=tail[0] / max(total, 1), count=total, host_update=int(flags),
+                   nbytes=flat.numel() * flat.element_size(), arrivals=tail[4:])
 
 
 def train_step(state: TrainState, session: Session) -> StepStats:
@@ -119,15 +135,19 @@ def train_step(state: TrainState, session: Session) -> StepStats:
     session.faults.after_compute(world, state.step, data_done)
     compute_done = time.perf_counter()
 
-    loss, total, flags, nbytes = allreduce_step(state.model, loss_value, count,
-                                                drain_host_updates(state), world)
+    reduced = allreduce_step(state.model, loss_value, count, drain_host_updates(state),
+                             compute_done - started, world)
     comm_done = time.perf_counter()
     state.optimizer.step()
     state.cursor = state.cursor.advance(len(step_indices), dataset_size)
     state.step += 1
-    return StepStats(loss=loss, samples=len(indices), data_time=data_done - started,
-                     compute_time=compute_done - data_done, comm_time=comm_done - compute_done,
-                     step_time=time.perf_counter() - started, bytes_sent=nbytes, host_update=flags)
+    # Time in the allreduce spent waiting for the last rank to arrive is wait, not comm.
+    wait = max(0.0, max(reduced.arrivals) - (compute_done - started))
+    return StepStats(loss=reduced.loss, samples=len(indices), data_time=data_done - started,
+                     compute_time=compute_done - data_done,
+                     comm_time=max(0.0, comm_done - compute_done - wait), wait_time=wait,
+                     step_time=time.perf_counter() - started, bytes_sent=reduced.nbytes,
+                     host_update=reduced.host_update, arrivals=reduced.arrivals)
 
 
 def train_loop(state: TrainState, session: Session) -> None:

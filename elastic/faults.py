@@ -40,7 +40,7 @@ class FaultPlan:
                 time.sleep(fault["seconds"])
         for fault in self.kill:
             if fault["host"] == world.host and fault["step"] == step:
-                events.record("failure", step, cause="SIGKILL (injected)", size=world.size)
+                events.record("kill_injected", step, size=world.size)
                 os.kill(os.getpid(), signal.SIGKILL)
 
     def after_compute(self, world, step: int, compute_started: float) -> None:

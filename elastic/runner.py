@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import horovod.torch as hvd
@@ -21,13 +22,16 @@ from .faults import FaultPlan
 from .job import Job
 from .state import TrainState
 from .lifeline import FastRecovery
+from .metrics import StepReporter, open_sink, run_id_for
 from .world import World, launched_elastic, launcher_host_name
 
 
 def run(job: Job, cfg: TrainConfig, on_step: list | None = None) -> dict:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    events = EventLog(run_dir, launcher_host_name(), int(os.environ.get("HOROVOD_LOCAL_RANK", 0)))
+    sink, run_id = open_sink(cfg), run_id_for(job.name, cfg.run_dir)
+    events = EventLog(run_dir, launcher_host_name(), int(os.environ.get("HOROVOD_LOCAL_RANK", 0)),
+                      sink=sink, run_id=run_id)
     elastic = launched_elastic()
     recovery = FastRecovery(events) if elastic and os.environ.get("REGATTA_FAST_RECOVERY", "1") == "1" else None
     if recovery:
@@ -49,6 +53,13 @@ def run(job: Job, cfg: TrainConfig, on_step: list | None = None) -> dict:
                       faults=FaultPlan.from_env(), world=world, on_step=list(on_step or []))
     session.on_step.append(_progress_reporter(run_dir, cfg))
     session.on_enter.append(_rebuild_world)
+    reporter = StepReporter(sink, run_id, world.host)
+    session.on_enter.append(lambda session, state: reporter.on_enter(session, state, hvd))
+    session.on_step.append(reporter.on_step)
+    if world.is_root:
+        sink.emit({"type": "run", "id": run_id, "job": job.name, "status": "running",
+                   "started_at": time.time(), "config": asdict(cfg),
+                   "launcher": "horovodrun" if elastic else ("mpirun" if world.size > 1 else "local")})
     if recovery:
         state.before_reset_hooks.append(recovery.before_init)
         session.on_enter.append(lambda session, state: recovery.enter(hvd, session.world))
@@ -67,7 +78,13 @@ def run(job: Job, cfg: TrainConfig, on_step: list | None = None) -> dict:
         train_loop(state, session)
     if recovery:
         recovery.close()
-    return finish(state, session)
+    result = finish(state, session)
+    reporter.close()
+    if session.world.is_root:
+        sink.emit({"type": "run", "id": run_id, "job": job.name, "status": "finished",
+                   "started_at": time.time(), "finished_at": time.time()})
+    sink.close()
+    return result
 
 
 def _rebuild_world(session: Session, state: TrainState) -> None:
@@ -98,7 +115,7 @@ def finish(state: TrainState, session: Session) -> dict:
         (run_dir / "result.json").write_text(json.dumps(result, indent=1))
     (run_dir / "final").mkdir(exist_ok=True)
     (run_dir / "final" / f"{world.host}-{world.slot}.json").write_text(json.dumps(result))
-    session.events.record("finish", state.step, size=world.size)
+    session.events.record("finish", state.step, size=world.size, **result.get("metrics", {}))
     session.events.close()
     return result
 

@@ -31,6 +31,7 @@ class TrainState(hvd.elastic.TorchState):
         # Tests and audits ask for a parameter hash on every commit, restore and sync.
         self._audit = os.environ.get("REGATTA_AUDIT") == "1"
         self.before_reset_hooks: list = []   # run before Horovod re-initialises
+        self.restored_from: int | None = None  # step a failure interrupted, until re-entry
         super().__init__(model=model, optimizer=optimizer, step=0, epoch=0, consumed=0)
 
     # -- the sampler cursor lives in two plain attributes so ObjectState can sync them
@@ -67,7 +68,7 @@ class TrainState(hvd.elastic.TorchState):
     def restore(self) -> None:
         """Called by ``hvd.elastic.run`` after a failed collective, before the reset."""
         self.before_reset()
-        failed_at = self.step
+        failed_at = self.restored_from = self.step
         super().restore()
         self.optimizer.zero_grad(set_to_none=True)
         self._events.record("restore", self.step, from_step=failed_at,

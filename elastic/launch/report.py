@@ -36,11 +36,14 @@ def build_report(run_dir: Path, exit_code: int, plan=None) -> dict:
     events = read_events(run_dir)
     result_path = Path(run_dir) / "result.json"
     result = json.loads(result_path.read_text()) if result_path.exists() else {}
-    triggers = [e for e in events if e["kind"] in ("failure", "host_added", "host_removed")]
+    # Triggers come from who caused them: the injected kill, the launcher's edits.
+    triggers = [e for e in events if e["kind"] == "kill_injected"
+                or (e["host"] == "launcher" and e["kind"] in ("host_added", "host_removed"))]
     changes = []
     for i, trigger in enumerate(triggers):
         until = triggers[i + 1]["wall_time"] if i + 1 < len(triggers) else float("inf")
-        changes.append({"kind": trigger["kind"], "step": trigger["step"],
+        kind = "failure" if trigger["kind"] == "kill_injected" else trigger["kind"]
+        changes.append({"kind": kind, "step": trigger["step"],
                         "host": trigger.get("target", trigger["host"]),
                         "wall_time": trigger["wall_time"], **recovery(events, trigger, until)})
     return {"exit_code": exit_code, "final_step": result.get("step"),

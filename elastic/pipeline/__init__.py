@@ -1,0 +1,16 @@
+"""Pipeline parallelism: hand-partitioned stages of an ``nn.Sequential`` over MPI (or a
+Gloo group under horovodrun), GPipe and 1F1B schedules, hybrid dp x pp.
+
+    config.py      [pipeline] section; make_plan checks it against world and model
+    grid.py        rank -> (replica, stage); cut() keeps a stage's children
+    schedule.py    per-rank action lists (GPipe, 1F1B) and a deadlock simulator
+    transport.py   point-to-point tensors: mpi4py (mpirun) or torch.distributed Gloo
+    executor.py    runs one stage's action list, measures busy/wait/bytes/bubble
+    stage.py       microbatches, schedule, gradient sum over a stage's replicas
+    checkpoint.py  per-stage files that reload under any other partition
+    trainer.py     the training loop (entry: run_pipeline)
+    supervisor.py  relaunches a failed mpirun job from the last checkpoint
+
+Run: ``mpirun -np 4 --hostfile hostfiles/pipeline.txt python -m jobs.charlm --pp 2 --dp 2
+--schedule 1f1b --microbatches 8``.
+"""

@@ -1,0 +1,60 @@
+"""Config files and flags: unknown keys and bad values are named, never ignored."""
+import subprocess
+
+import pytest
+
+from conftest import PYTHON, ROOT
+from elastic.config import ConfigError, TrainConfig, load, parse_overrides
+from jobs.digits import DigitsConfig
+
+
+def write(tmp_path, text):
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return path
+
+
+def test_values_from_file_and_overrides(tmp_path):
+    path = write(tmp_path, "[train]\nsteps = 7\nlr = 0.5\n[model]\nhidden = 16\n")
+    config = load(path, {"train": TrainConfig, "model": DigitsConfig},
+                  parse_overrides(["train.lr=0.25", "model.dropout=0"]))
+    assert (config["train"].steps, config["train"].lr) == (7, 0.25)
+    assert (config["model"].hidden, config["model"].dropout) == (16, 0.0)
+
+
+@pytest.mark.parametrize("text, overrides, message", [
+    ("[train]\nstepz = 3\n", [], "unknown key 'stepz'"),
+    ("[trian]\nsteps = 3\n", [], "unknown table [trian]"),
+    ("[train]\nsteps = 0\n", [], "train.steps must be > 0, got 0"),
+    ("[train]\nsteps = 'many'\n", [], "train.steps must be an integer, got 'many'"),
+    ("[train]\noptimizer = 'lbfgs'\n", [], "train.optimizer must be 'adam' or 'sgd', got 'lbfgs'"),
+    ("[train]\nsteps = 2.5\n", [], "must be an integer, got 2.5"),
+    ("[model]\nhidden = -1\n", [], "model.hidden must be > 0, got -1"),
+    ("[train\n", [], "not valid TOML"),
+    ("", ["train.lr=fast"], "train.lr must be a number, got 'fast'"),
+])
+def test_bad_config_names_the_problem(tmp_path, text, overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load(write(tmp_path, text), {"train": TrainConfig, "model": DigitsConfig},
+             parse_overrides(overrides))
+    assert message in str(err.value)
+
+
+def test_bad_override_syntax():
+    with pytest.raises(ConfigError, match="must look like section.key=value"):
+        parse_overrides(["lr0.1"])
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load(tmp_path / "nope.toml", {"train": TrainConfig})
+
+
+def test_job_command_line_reports_config_errors():
+    done = subprocess.run([PYTHON, "-m", "jobs.digits", "--set", "train.bogus=1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "unknown key 'bogus'" in done.stderr
+    done = subprocess.run([PYTHON, "-m", "jobs.digits", "--steps", "-3"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "train.steps must be > 0, got -3" in done.stderr

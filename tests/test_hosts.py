@@ -1,0 +1,89 @@
+"""Hostfiles, discovery scripts and `regatta local` options: clear errors for bad input."""
+import subprocess
+
+import pytest
+
+from conftest import BIN, ROOT
+from elastic.launch.hosts import Host, HostsError, parse_discovery, parse_hostfile, run_discovery
+
+DISCOVER = ROOT / "hostfiles" / "discover.sh"
+
+
+def test_hostfile_parses_slots():
+    text = "# comment\nnode01 slots=4\nnode02   # trailing comment\n\n10.0.0.7 slots=2 max_slots=4\n"
+    assert parse_hostfile(text) == [Host("node01", 4), Host("node02", 1), Host("10.0.0.7", 2)]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("node01 slots=four\n", "hosts.txt:1: slots must be a positive integer, got 'four'"),
+    ("node01\nnode02 cpus=3\n", "hosts.txt:2: unknown option 'cpus=3'"),
+    ("node01\nnode01\n", "host node01 is listed twice"),
+    ("# nothing\n", "lists no hosts"),
+    ("bad$name\n", "hosts.txt:1: 'bad$name' is not a valid host name"),
+    ("node01 slots=0\n", "slots must be a positive integer, got '0'"),
+])
+def test_malformed_hostfile(text, message):
+    with pytest.raises(HostsError) as err:
+        parse_hostfile(text, "hosts.txt")
+    assert message in str(err.value)
+
+
+def test_example_hostfiles_parse():
+    for path in (ROOT / "hostfiles").glob("*.txt"):
+        text = path.read_text()
+        # hosts.txt feeds discover.sh (HOST:SLOTS); the others are OpenMPI hostfiles.
+        hosts = parse_discovery(text, path.name) if path.name == "hosts.txt" else parse_hostfile(text, path.name)
+        assert hosts, path
+
+
+def test_discovery_script_prints_hosts(tmp_path):
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("# pool\nnode01:4\nnode02\n")
+    assert run_discovery(f"{DISCOVER} {hosts}") == [Host("node01", 4), Host("node02", 1)]
+
+
+def test_discovery_script_rejects_a_malformed_line(tmp_path):
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("node01:4\nnode 02\n")
+    with pytest.raises(HostsError) as err:
+        run_discovery(f"{DISCOVER} {hosts}")
+    assert "hosts.txt:2: 'node 02' is not HOST or HOST:SLOTS" in str(err.value)
+
+
+@pytest.mark.parametrize("script, message", [
+    ("echo 'node01:4'; echo 'garbage here!'", "'garbage here!' is not HOST or HOST:SLOTS"),
+    ("echo node01:x", "slots must be a positive integer, got 'x'"),
+    ("echo oops >&2; exit 3", "failed with exit code 3: oops"),
+    ("true", "lists no hosts"),
+])
+def test_bad_discovery_output(script, message):
+    with pytest.raises(HostsError) as err:
+        run_discovery(script)
+    assert message in str(err.value)
+
+
+def test_check_hosts_command(tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_text("node01 slots=x\n")
+    done = subprocess.run([str(BIN / "regatta"), "check-hosts", "--hostfile", str(bad)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "bad.txt:1: slots must be a positive integer" in done.stderr
+    done = subprocess.run([str(BIN / "regatta"), "check-hosts", "--discovery",
+                           f"{DISCOVER} {ROOT / 'hostfiles' / 'hosts.txt'}"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "localhost\t2 slots" in done.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--kill", "2"], "--kill '2' must look like HOST@STEP"),
+    (["--kill", "2@500"], "step must be between 1 and 99"),
+    (["--kill", "9@10"], "host number 9 is outside 1..2"),
+    (["--slow", "1:fast"], "--slow '1:fast' must look like HOST:FACTOR"),
+    (["--hosts", "0"], "--hosts and --slots must be >= 1"),
+])
+def test_bad_local_options(tmp_path, args, message):
+    done = subprocess.run([str(BIN / "regatta"), "local", "digits", "--hosts", "2", "--steps", "100",
+                           "--run-dir", str(tmp_path), *args],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert message in done.stderr
