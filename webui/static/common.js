@@ -1,0 +1,143 @@
+// Shared by every page: API access, theme-aware Plotly layouts, the x-axis / log-y
+// controls, live polling with a pause button, and event markers for time charts.
+// Vanilla JS + Plotly (served by this server at /vendor/plotly.min.js).
+"use strict";
+
+const R = (() => {
+  const query = new URLSearchParams(location.search);
+  // ?poll=MS overrides the polling period (tests poll fast; people need not).
+  const pollMs = Math.max(200, Number(query.get("poll")) || 2000);
+  const state = {
+    x: localStorage.getItem("regatta.x") === "time" ? "time" : "step",
+    logY: localStorage.getItem("regatta.logy") === "1",
+    paused: false,
+  };
+
+  async function api(path, params) {
+    const url = new URL("/api/v1/" + path, location.origin);
+    for (const [k, v] of Object.entries(params || {})) {
+      if (v !== null && v !== undefined) url.searchParams.set(k, v);
+    }
+    const response = await fetch(url, {cache: "no-store"});
+    const body = await response.json();
+    if (!response.ok) throw new Error(body.error || response.statusText);
+    return body;
+  }
+
+  const css = (name) => getComputedStyle(document.documentElement).getPropertyValue(name).trim();
+
+  // A Plotly layout in the page's colours (light or dark, from style.css).
+  function layout(title, extra) {
+    const axis = {gridcolor: css("--grid"), zerolinecolor: css("--line"), linecolor: css("--line"),
+                  automargin: true};
+    return Object.assign({
+      title: {text: title, x: 0.01, xanchor: "left", font: {size: 14}},
+      paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)",
+      font: {color: css("--fg"), size: 11, family: "system-ui, sans-serif"},
+      margin: {l: 56, r: 16, t: 36, b: 40},
+      xaxis: Object.assign({title: {text: xTitle()}}, axis),
+      yaxis: Object.assign({type: state.logY ? "log" : "linear"}, axis),
+      legend: {orientation: "h", y: -0.2, x: 0, font: {size: 10}},
+      hovermode: "closest", uirevision: state.x + state.logY,
+      colorway: ["#2563eb", "#f97316", "#16a34a", "#a855f7", "#e11d48", "#0891b2",
+                 "#ca8a04", "#64748b", "#db2777", "#4f46e5"],
+    }, extra || {});
+  }
+
+  const plotConfig = {displaylogo: false, responsive: true,
+                      modeBarButtonsToRemove: ["select2d", "lasso2d", "autoScale2d"]};
+
+  function draw(id, traces, lay) {
+    const div = document.getElementById(id);
+    if (div) Plotly.react(div, traces, lay, plotConfig);
+  }
+
+  const xTitle = () => (state.x === "time" ? "seconds since start" : "step");
+
+  // x of points given their steps and wall times, in the current x mode.
+  function xs(steps, times, t0) {
+    return state.x === "time" ? times.map((t) => (t === null ? null : t - t0)) : steps;
+  }
+
+  const fmt = {
+    num(v, digits = 3) {
+      if (v === null || v === undefined || Number.isNaN(v)) return "–";
+      const a = Math.abs(v);
+      if (a >= 1e9) return (v / 1e9).toFixed(1) + " G";
+      if (a >= 1e6) return (v / 1e6).toFixed(1) + " M";
+      if (a >= 1e4) return (v / 1e3).toFixed(1) + " k";
+      return Number(v.toPrecision(digits)).toString();
+    },
+    secs(v) {
+      if (v === null || v === undefined) return "–";
+      if (v < 60) return v.toFixed(v < 10 ? 2 : 1) + " s";
+      if (v < 3600) return Math.floor(v / 60) + " m " + Math.round(v % 60) + " s";
+      return Math.floor(v / 3600) + " h " + Math.round((v % 3600) / 60) + " m";
+    },
+    when: (t) => (t ? new Date(t * 1000).toLocaleString([], {month: "short", day: "numeric",
+      hour: "2-digit", minute: "2-digit"}) : "–"),
+  };
+
+  function el(tag, attrs, ...children) {
+    const node = document.createElement(tag);
+    for (const [k, v] of Object.entries(attrs || {})) {
+      if (k === "class") node.className = v; else node.setAttribute(k, v);
+    }
+    for (const c of children) node.append(c instanceof Node ? c : String(c ?? "–"));
+    return node;
+  }
+
+  function showError(err) {
+    const box = document.getElementById("error");
+    box.hidden = !err;
+    box.textContent = err ? "Could not load data: " + err.message : "";
+    document.getElementById("live-dot").classList.toggle("error", !!err);
+  }
+
+  // Live updates: every pollMs, unless paused, run the page's refresh function.
+  function live(refresh) {
+    const dot = document.getElementById("live-dot");
+    const label = document.getElementById("live-label");
+    const button = document.getElementById("pause");
+    button.addEventListener("click", () => {
+      state.paused = !state.paused;
+      button.textContent = state.paused ? "Resume" : "Pause";
+      label.textContent = state.paused ? "paused" : "live";
+      dot.classList.toggle("paused", state.paused);
+    });
+    async function tick() {
+      if (!state.paused) {
+        dot.classList.add("busy");
+        try { await refresh(); showError(null); } catch (err) { showError(err); }
+        dot.classList.remove("busy");
+      }
+      setTimeout(tick, pollMs);
+    }
+    setTimeout(tick, pollMs);
+  }
+
+  // The Step/Time toggle and the log-y box; ``redraw`` re-renders from loaded data.
+  function controls(redraw) {
+    const buttons = document.querySelectorAll("[data-x]");
+    const sync = () => buttons.forEach((b) => b.classList.toggle("on", b.dataset.x === state.x));
+    buttons.forEach((b) => b.addEventListener("click", () => {
+      state.x = b.dataset.x;
+      localStorage.setItem("regatta.x", state.x);
+      sync();
+      redraw();
+    }));
+    const logy = document.getElementById("logy");
+    if (logy) {
+      logy.checked = state.logY;
+      logy.addEventListener("change", () => {
+        state.logY = logy.checked;
+        localStorage.setItem("regatta.logy", state.logY ? "1" : "0");
+        redraw();
+      });
+    }
+    sync();
+  }
+
+  return {api, css, layout, draw, xs, xTitle, fmt, el, live, controls, showError, state,
+          pollMs, plotConfig};
+})();

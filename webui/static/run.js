@@ -1,0 +1,217 @@
+// The run page: which node is slow, where time goes, what failures cost. Loads every
+// series once, then polls with cursors (common.js R.live) and redraws what changed.
+"use strict";
+
+(() => {
+  const runId = document.body.dataset.run;
+  const base = "runs/" + encodeURIComponent(runId);
+  const PARTS = [["data_time", "data"], ["compute_time", "compute"], ["comm_time", "comm"],
+                 ["wait_time", "wait"]];
+  const series = (metric, by) => new C.SeriesBuf(base + "/series", {metric, by});
+  const imbalanceShape = (b) => ["step_time", "compute_time"].map(
+    (key) => ({key, step: b.step, time: b.time, value: b[key]}));
+  const bufs = {
+    throughput: series("samples_per_s", "host"), steptime: series("step_time", "rank"),
+    comm: series("comm_fraction", "all"), bw: series("bus_bandwidth", "all"),
+    loss: series("loss", "all"), imbalance: new C.SeriesBuf(base + "/imbalance", {}, imbalanceShape),
+  };
+  const d = {run: null, events: [], eventCursor: null, recoveries: [], timeline: null,
+             breakdown: [], pipeline: null, by: "rank"};
+
+  const label = (key) => (d.by === "rank" ? "rank " + key : String(key));
+
+  async function loadEvents() {
+    const body = await R.api(base + "/events", {since: d.eventCursor});
+    d.events = d.events.concat(body.events);
+    d.eventCursor = body.cursor;
+  }
+
+  async function loadBreakdown() {
+    // One bucket per rank (max_points=1): each part's mean over the whole run.
+    const parts = await Promise.all(PARTS.map(([metric]) => R.api(base + "/series",
+      {metric, by: d.by, max_points: 1})));
+    d.breakdown = parts.map((body, i) => ({name: PARTS[i][1], series: body.series}));
+  }
+
+  async function loadDerived() {
+    const [rec, timeline, pipe] = await Promise.all([R.api(base + "/recoveries"),
+      R.api(base + "/timeline"), R.api(base + "/pipeline"), loadBreakdown()]);
+    d.recoveries = rec.recoveries;
+    d.timeline = timeline;
+    d.pipeline = pipe.pipeline;
+  }
+
+  let signature = null;
+  async function refresh(full) {
+    d.run = await R.api(base);
+    const sig = [d.run.step_rows, d.run.events, d.run.status].join("/");
+    if (!full && sig === signature) return renderTiles();
+    signature = sig;
+    const bufWork = Object.values(bufs).map((b) => (full ? b.load() : b.poll()));
+    await Promise.all([...bufWork, loadEvents(), loadDerived()]);
+    render();
+  }
+
+  function ctx() { return {t0: d.run.started_at, timeline: d.timeline}; }
+
+  function renderTiles() {
+    const r = d.run;
+    const status = document.getElementById("run-status");
+    status.textContent = r.status;
+    status.className = "badge " + r.status;
+    const tiles = [
+      ["Job", r.job, r.launcher],
+      ["World size now", r.world_size, `min ${r.world_size_min ?? "–"} · max ${r.world_size_max ?? "–"}`],
+      ["Throughput", R.fmt.num(r.throughput), "samples/s"],
+      ["Last step", r.last_step, `${r.step_rows} step rows`],
+      ["Duration", R.fmt.secs(r.duration_s), ""],
+      ["Started", R.fmt.when(r.started_at), "", "text"],
+      ["Failures survived", `${r.failures_survived} / ${r.failures}`, ""],
+      ["Ranks · hosts", `${r.ranks} · ${r.hosts.length}`, r.hosts.join(" ")],
+    ];
+    document.getElementById("tiles").replaceChildren(...tiles.map(([k, v, sub, cls]) =>
+      R.el("div", {class: "tile"}, R.el("div", {class: "k"}, k),
+           R.el("div", {class: "v " + (cls || "")}, v ?? "–", " ", R.el("small", {}, sub)))));
+  }
+
+  function drawTime(id, title, yTitle, traces, extra) {
+    const ov = C.overlay(d.events, ctx());
+    R.draw(id, traces.concat(ov.traces), C.timeLayout(title, yTitle, ov, extra));
+  }
+
+  function renderThroughput(t0) {
+    const hosts = bufs.throughput.series;
+    const total = new Map();
+    for (const s of hosts) s.step.forEach((st, i) => {
+      const prev = total.get(st) || {time: s.time[i], value: 0};
+      total.set(st, {time: prev.time, value: prev.value + (s.value[i] || 0)});
+    });
+    const steps = [...total.keys()].sort((a, b) => a - b);
+    const sum = {step: steps, time: steps.map((s) => total.get(s).time),
+                 value: steps.map((s) => total.get(s).value)};
+    const traces = hosts.map((s) => C.line(s.key, s, t0));
+    if (hosts.length > 1) traces.push(C.line("total", sum, t0, {line: {dash: "dot", width: 2.5}}));
+    drawTime("chart-throughput", "Throughput per host and total", "samples/s", traces);
+  }
+
+  function renderHeatmap(t0) {
+    const rows = bufs.steptime.series;
+    if (!rows.length) return C.empty("chart-heatmap", "Step time heatmap", "no steps yet");
+    const steps = [...new Set(rows.flatMap((s) => s.step))].sort((a, b) => a - b);
+    const col = new Map(steps.map((s, i) => [s, i]));
+    const times = new Array(steps.length).fill(null);
+    const z = rows.map((s) => {
+      const row = new Array(steps.length).fill(null);
+      s.step.forEach((st, i) => { row[col.get(st)] = s.value[i]; times[col.get(st)] = s.time[i]; });
+      return row;
+    });
+    const ov = C.overlay(d.events, ctx(), false);
+    const lay = C.timeLayout("Step time per " + (d.by === "rank" ? "rank" : d.by) + " (s)", "", ov);
+    lay.yaxis = Object.assign(lay.yaxis, {type: "category", autorange: "reversed"});
+    R.draw("chart-heatmap", [{type: "heatmap", x: R.xs(steps, times, t0),
+      y: rows.map((s) => label(s.key)), z, colorscale: "YlOrRd", reversescale: true,
+      hovertemplate: "%{y}<br>x %{x}: %{z:.4f} s<extra></extra>", colorbar: {thickness: 10}}], lay);
+  }
+
+  function renderBreakdown() {
+    const traces = d.breakdown.map((part) => ({type: "bar", orientation: "h", name: part.name,
+      y: part.series.map((s) => label(s.key)), x: part.series.map((s) => s.value[0]),
+      hovertemplate: `${part.name} %{x:.4f} s<extra>%{y}</extra>`}));
+    const lay = R.layout("Where each step goes (mean s)", {barmode: "stack"});
+    lay.legend.traceorder = "normal";  // data, compute, comm, wait: the order of a step
+    lay.yaxis = Object.assign(lay.yaxis, {type: "category", autorange: "reversed"});
+    lay.xaxis.title = {text: "seconds per step"};
+    R.draw("chart-breakdown", traces, lay);
+  }
+
+  function render() {
+    const t0 = d.run.started_at;
+    renderTiles();
+    renderThroughput(t0);
+    drawTime("chart-steptime", "Step time per " + d.by, "seconds",
+             bufs.steptime.series.map((s) => C.line(label(s.key), s, t0)));
+    renderHeatmap(t0);
+    const [st, ct] = ["step_time", "compute_time"].map((k) => bufs.imbalance.get(k));
+    drawTime("chart-imbalance", "Imbalance: max / median across ranks", "ratio",
+             st ? [C.line("step time", st, t0), C.line("compute time", ct, t0)] : []);
+    renderBreakdown();
+    const comm = bufs.comm.get("all"), bw = bufs.bw.get("all");
+    drawTime("chart-comm", "Communication", "comm / step time",
+             [comm && C.line("comm fraction", comm, t0),
+              bw && C.line("bus bandwidth (B/s)", bw, t0, {yaxis: "y3", line: {dash: "dot"}})]
+               .filter(Boolean),
+             {yaxis3: {overlaying: "y", side: "right", title: {text: "bytes/s"},
+                       showgrid: false, automargin: true}});
+    const tl = d.timeline;
+    drawTime("chart-world", "World size", "ranks",
+             [C.line("world size", {step: tl.step, time: tl.time, value: tl.world_size}, t0,
+                     {line: {shape: "hv", width: 2.5}})]);
+    renderLoss(t0);
+    renderPipeline();
+    renderRecoveries();
+  }
+
+  function renderLoss(t0) {
+    const loss = bufs.loss.get("all");
+    if (!loss) return C.empty("chart-loss", "Loss", "no loss recorded");
+    const weight = Number(document.getElementById("smooth").value);
+    drawTime("chart-loss", "Loss", "loss", [
+      C.line("raw", loss, t0, {opacity: 0.35}),
+      C.line("smoothed", Object.assign({}, loss, {value: C.smooth(loss.value, weight)}), t0,
+             {line: {width: 2.5}})]);
+  }
+
+  function renderPipeline() {
+    const p = d.pipeline;
+    document.getElementById("pipeline-section").hidden = !p;
+    if (!p) return;
+    const mean = (a) => a.reduce((x, y) => x + y, 0) / a.length;
+    const stages = p.stages.map((s) => "stage " + s.stage);
+    R.draw("chart-stage-busy", [
+      {type: "bar", name: "busy", x: stages, y: p.stages.map((s) => mean(s.busy))},
+      {type: "bar", name: "idle (bubble)", x: stages,
+       y: p.stages.map((s) => mean(s.step_time) - mean(s.busy))}],
+      Object.assign(R.layout("Per-stage busy vs idle (mean s per step)"),
+                    {barmode: "stack", xaxis: {title: {text: ""}}}));
+    const lay = R.layout(`Bubble per stage (run: ${(100 * p.overall).toFixed(1)} %)`);
+    lay.xaxis.title = {text: "step"};
+    lay.yaxis = Object.assign(lay.yaxis, {tickformat: ".0%", type: "linear"});
+    R.draw("chart-bubble", p.stages.map((s) => ({type: "scatter", mode: "lines",
+      name: "stage " + s.stage, x: s.step, y: s.bubble})), lay);
+  }
+
+  function renderRecoveries() {
+    const body = document.querySelector("#recoveries tbody");
+    if (!d.recoveries.length) {
+      body.replaceChildren(R.el("tr", {}, R.el("td", {colspan: 10, class: "muted"},
+        "No failures or host changes recorded.")));
+    } else {
+      body.replaceChildren(...d.recoveries.map((r) => R.el("tr", {class: "recovery " + r.kind},
+        R.el("td", {class: "kind " + r.kind}, r.kind), R.el("td", {}, r.host),
+        R.el("td", {class: "num"}, r.step),
+        R.el("td", {class: "num"}, (r.wall_time - d.run.started_at).toFixed(1)),
+        ...["detected_s", "reset_done_s", "state_synced_s", "first_step_done_s"].map(
+          (k) => R.el("td", {class: "num"}, R.fmt.secs(r[k]))),
+        R.el("td", {class: "num"}, r.steps_redone),
+        R.el("td", {class: "num"}, r.size_before ? `${r.size_before} → ${r.size_after}` : "–"))));
+    }
+    const counts = new Map();
+    for (const e of C.dedupe(d.events)) counts.set(e.kind, (counts.get(e.kind) || 0) + 1);
+    document.getElementById("event-counts").replaceChildren(R.el("span", {class: "muted"}, "Events:"),
+      ...(counts.size ? [...counts].map(([k, n]) => R.el("span", {},
+        R.el("span", {class: "kind " + k}, k), " ×" + n)) : [R.el("span", {class: "muted"}, "none")]));
+  }
+
+  document.getElementById("smooth").addEventListener("input", (ev) => {
+    document.getElementById("smooth-value").textContent = Number(ev.target.value).toFixed(2);
+    if (d.run) renderLoss(d.run.started_at);
+  });
+  document.getElementById("by").addEventListener("change", async (ev) => {
+    d.by = ev.target.value;
+    bufs.steptime = series("step_time", d.by);
+    await Promise.all([bufs.steptime.load(), loadBreakdown()]).catch(R.showError);
+    render();
+  });
+  R.controls(() => d.run && render());
+  refresh(true).catch(R.showError).finally(() => R.live(() => refresh(false)));
+})();
