@@ -5,6 +5,8 @@ Python itself (``pydoc_data.topics``, about 465k characters): real text, no down
     mpirun -np 2 --hostfile hostfiles/localhost.txt python -m jobs.charlm
     horovodrun -np 2 --min-np 1 --max-np 4 --host-discovery-script \
         "hostfiles/discover.sh hostfiles/hosts.txt" python -m jobs.charlm
+    mpirun -np 4 --hostfile hostfiles/pipeline.txt python -m jobs.charlm \
+        --pp 2 --dp 2 --schedule 1f1b --microbatches 8        # dp x pp pipeline
 
 The model is an ``nn.Sequential`` (embedding, blocks, head) so a pipeline can cut it
 between any two of its children.
@@ -110,6 +112,16 @@ class CharLMJob:
         (windows,) = batch
         return self.loss_on_logits(model(windows[:, :-1]), windows), windows[:, 1:].numel()
 
+    # -- what a pipeline needs (elastic/pipeline/stage.py PipelineJob) --
+    def pipeline_input(self, batch) -> torch.Tensor:
+        return batch[0][:, :-1]
+
+    def pipeline_loss(self, logits: torch.Tensor, batch) -> torch.Tensor:
+        return self.loss_on_logits(logits, batch[0])
+
+    def loss_count(self, batch) -> int:
+        return batch[0][:, 1:].numel()
+
     @staticmethod
     def loss_on_logits(logits: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
@@ -124,11 +136,29 @@ class CharLMJob:
                 "bits_per_char": loss / math.log(2)}
 
 
+PIPELINE_FLAGS = {"pp": ("pipeline.pp", int), "dp": ("pipeline.dp", int),
+                  "schedule": ("pipeline.schedule", str),
+                  "microbatches": ("pipeline.microbatches", int),
+                  "boundaries": ("pipeline.boundaries", str),
+                  "transport": ("pipeline.transport", str)}
+
+
 def main(argv: list[str] | None = None) -> dict:
-    from elastic import runner
+    from elastic.pipeline.config import PipelineConfig
     from jobs.common import parse
-    config = parse("charlm", {"model": CharLMConfig}, argv)
-    train, model = config["train"], config["model"]
+    config = parse("charlm", {"model": CharLMConfig, "pipeline": PipelineConfig}, argv,
+                   flags=PIPELINE_FLAGS)
+    train, model, pipe = config["train"], config["model"], config["pipeline"]
+    if pipe.pp > 1:
+        # Imported only here: an mpirun pipeline never initialises Horovod.
+        import sys
+        from elastic.pipeline.trainer import run_pipeline
+        try:
+            return run_pipeline(CharLMJob(model), train, pipe)
+        except ConfigError as err:   # the plan does not fit this world or model
+            print(f"config error: {err}", file=sys.stderr)
+            raise SystemExit(2)
+    from elastic import runner
     return runner.run(CharLMJob(model), train)
 
 

@@ -94,6 +94,7 @@ def stage_ranges(children: int, pp: int, boundaries: list[int]) -> tuple:
 
 def make_plan(cfg: PipelineConfig, world_size: int, children: int, global_batch: int) -> Plan:
     """Check ``cfg`` against this world and model; return the plan or raise ConfigError."""
+    stages = stage_ranges(children, cfg.pp, cfg.boundaries)
     if cfg.pp > world_size:
         raise ConfigError(f"pipeline.pp = {cfg.pp} stages but the world has only {world_size} "
                           f"ranks (each stage needs its own rank)")
@@ -103,7 +104,6 @@ def make_plan(cfg: PipelineConfig, world_size: int, children: int, global_batch:
     if dp * cfg.pp != world_size:
         raise ConfigError(f"pipeline.dp = {cfg.dp} x pipeline.pp = {cfg.pp} = {dp * cfg.pp} "
                           f"ranks, but the world has {world_size}")
-    stages = stage_ranges(children, cfg.pp, cfg.boundaries)
     # Equal microbatches keep every activation the same shape, so peers agree on buffer
     # shapes once instead of sending a header with every tensor.
     per_step = dp * cfg.microbatches

@@ -1,0 +1,180 @@
+"""Pipeline runs in real mpirun processes equal the single-process model.
+
+One mpirun launch runs every (schedule, microbatches) case of a grid in a loop (this file
+is also the worker: ``python tests/test_pipeline_mpi.py --pp 2 ...`` under mpirun) and
+writes each rank's loss, gradients and post-step parameters to files; the test compares
+them with the same model, batch and optimizer step computed in the test process.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from elastic.config import TrainConfig  # noqa: E402
+from jobs.charlm import CharLMConfig, CharLMJob  # noqa: E402
+
+MODEL = dict(context=16, dim=32, heads=4, layers=4)
+BATCH, SEED, LR = 16, 3, 0.05
+CASES = [(s, m) for s in ("gpipe", "1f1b") for m in (1, 4, 8)]
+RTOL = 1e-5
+
+
+def batch_indices() -> torch.Tensor:
+    return torch.arange(BATCH) * 37 + 5   # fixed, spread over the data
+
+
+# -- the worker (one process of the mpirun launch) -----------------------------------------
+# (transport, pp, dp, cases): each group runs on world ranks 0 .. pp*dp-1 of one launch
+# (sub-communicator), so one interpreter start-up serves the whole matrix.
+PROGRAM = [("mpi", 2, 1, CASES), ("mpi", 3, 1, CASES), ("mpi", 2, 2, [("1f1b", 4), ("gpipe", 2)]),
+           ("gloo", 2, 1, [("1f1b", 4), ("gpipe", 8)])]
+RANKS = 4
+
+
+def label(transport: str, pp: int, dp: int, schedule: str, m: int) -> str:
+    return f"{transport}-pp{pp}-dp{dp}-{schedule}-{m}"
+
+
+def run_cases(world, kind: str, transport, pp: int, dp: int, cases, out: Path) -> None:
+    from elastic.pipeline.config import PipelineConfig, make_plan
+    from elastic.pipeline.grid import Grid, build_stage
+    from elastic.pipeline.stage import PipelineStage
+    from elastic.pipeline.trainer import make_optimizer
+    from elastic.sampler import rank_share
+    job = CharLMJob(CharLMConfig(**MODEL))
+    train = TrainConfig(global_batch=BATCH, optimizer="sgd", lr=LR, seed=SEED)
+    for schedule, m in cases:
+        cfg = PipelineConfig(pp=pp, dp=dp, schedule=schedule, microbatches=m)
+        plan = make_plan(cfg, world.size, MODEL["layers"] + 2, BATCH)
+        grid = Grid.of(world, plan)
+        module = build_stage(job.build_model, plan, grid.stage, SEED)
+        optimizer = make_optimizer(module, train)
+        stage = PipelineStage(job, plan, grid, transport, module)
+        indices = batch_indices()
+        batch = (job.train[rank_share(indices, grid.replica, plan.dp)],)
+        count = job.loss_count((job.train[indices],))
+        stats = stage.forward_backward(batch, count)
+        loss_sum, _, _ = stage.reduce(stats)
+        grads = {n: p.grad.clone() for n, p in module.named_parameters()}
+        optimizer.step()
+        torch.save({"loss": None if loss_sum is None else loss_sum / count, "grads": grads,
+                    "params": {n: p.detach().clone() for n, p in module.named_parameters()},
+                    "replica": grid.replica, "stage": grid.stage,
+                    "peak": stats.peak_activation_bytes},
+                   out / f"{label(kind, pp, dp, schedule, m)}-rank{world.rank}.pt")
+
+
+def worker(out: Path) -> None:
+    from mpi4py import MPI
+    from elastic.pipeline.transport import GlooTransport, MpiTransport, free_port, poll
+    from elastic.world import World
+    torch.set_num_threads(1)
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    for kind, pp, dp, cases in PROGRAM:
+        size = pp * dp
+        init = comm.bcast(f"tcp://127.0.0.1:{free_port()}" if rank == 0 else None, root=0)
+        sub = comm.Split(0 if rank < size else MPI.UNDEFINED, rank)
+        if rank < size:
+            world = World(rank=rank, size=size, local_rank=rank, local_size=size, host="local")
+            groups = [[r * pp + s for r in range(dp)] for s in range(pp)]
+            if kind == "mpi":
+                transport = MpiTransport(dp_color=rank % pp, dp_key=rank, comm=sub)
+            else:
+                transport = GlooTransport(rank, size, init, groups, rank % pp)
+            run_cases(world, kind, transport, pp, dp, cases, out)
+            transport.close()
+            sub.Free()
+        poll(comm.Ibarrier().Test)     # idle ranks sleep instead of spinning
+
+
+# -- the test side -------------------------------------------------------------------------
+def reference():
+    """Loss, gradients and post-step parameters of the single-process model."""
+    job = CharLMJob(CharLMConfig(**MODEL))
+    torch.manual_seed(SEED)
+    model = job.build_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    loss_sum, count = job.loss_sum(model, (job.train[batch_indices()],))
+    (loss_sum / count).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    optimizer.step()
+    return loss_sum.item() / count, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return reference()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One mpirun launch of RANKS processes runs the whole PROGRAM; returns its folder."""
+    out = tmp_path_factory.mktemp("pipeline")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    command = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(RANKS),
+               sys.executable, __file__, str(out)]
+    try:
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=150, start_new_session=True)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"mpirun did not finish in 150 s: {err.stdout} {err.stderr}")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    # Microbatching only reorders float32 sums: elementwise relative 1e-5, with an absolute
+    # floor at 1e-5 of the tensor's largest entry for entries that are nearly zero.
+    floor = RTOL * expected.abs().max().item()
+    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=floor, msg=lambda m: f"{what}: {m}")
+
+
+def check_case(out: Path, name: str, ranks: int, ref) -> list[dict]:
+    loss_ref, grads_ref, params_ref = ref
+    parts = [torch.load(out / f"{name}-rank{r}.pt") for r in range(ranks)]
+    seen = set()
+    for part in parts:
+        if part["loss"] is not None:
+            assert part["loss"] == pytest.approx(loss_ref, rel=RTOL), name
+        for key, grad in part["grads"].items():
+            close(grad, grads_ref[key], f"{name} grad {key}")
+            close(part["params"][key], params_ref[key], f"{name} param {key}")
+            seen.add(key)
+    assert seen == set(grads_ref), f"{name}: parameters missing {set(grads_ref) - seen}"
+    return parts
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_pipeline_matches_single_process(runs, ref, pp):
+    peaks = {}
+    for schedule, m in CASES:
+        parts = check_case(runs, label("mpi", pp, 1, schedule, m), pp, ref)
+        peaks[schedule, m] = parts[0]["peak"]    # stage 0 holds the most under 1F1B
+    # 1F1B keeps at most pp microbatches in flight on stage 0; GPipe keeps all m.
+    assert peaks["1f1b", 8] * 8 == pytest.approx(peaks["gpipe", 8] * pp, rel=0.01)
+    assert peaks["1f1b", 1] == peaks["gpipe", 1]
+
+
+def test_hybrid_dp2_pp2_matches_combined_batch(runs, ref):
+    for schedule, m in (("1f1b", 4), ("gpipe", 2)):
+        parts = check_case(runs, label("mpi", 2, 2, schedule, m), 4, ref)
+        assert {(p["replica"], p["stage"]) for p in parts} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+
+
+def test_gloo_transport_matches_single_process(runs, ref):
+    for schedule, m in (("1f1b", 4), ("gpipe", 8)):
+        check_case(runs, label("gloo", 2, 1, schedule, m), 2, ref)
+
+
+if __name__ == "__main__":
+    worker(Path(sys.argv[1]))
