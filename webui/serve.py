@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
+import sys
+import threading
 from typing import Optional
 
 from webui import WebConfig, create_app
@@ -31,24 +34,44 @@ def make_server(db: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
     return server
 
 
+def _socket_map(server) -> dict:
+    return server.map if hasattr(server, "map") else server._map  # several sockets or one
+
+
 def stop(server) -> None:
-    """Stop a server started with ``server.run()`` in another thread, from this one."""
-    server.close()                       # run()'s loop ends once its socket map is empty
-    server.task_dispatcher.shutdown()    # and the worker threads with it
+    """Stop a server whose ``server.run()`` runs in another thread, from this one.
+
+    run()'s loop ends once its socket map is empty; server.close() alone leaves the
+    browsers' keep-alive connections in it (the loop then never ends), and closing them
+    from this thread would pull sockets from under a select() in that one. So the loop's
+    own thread closes everything, asked through waitress's trigger (its thunks run there).
+    """
+    from waitress import wasyncore
+    socket_map = _socket_map(server)
+    trigger = next((x for x in list(socket_map.values()) if hasattr(x, "thunks")), None)
+    if trigger is not None:
+        trigger.pull_trigger(lambda: wasyncore.close_all(socket_map))
+    server.task_dispatcher.shutdown()
     server.regatta_app.extensions["regatta_store"].close()
 
 
 def serve(db: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
           token: Optional[str] = None) -> None:
     """Serve until interrupted, printing the URL."""
+    from waitress import wasyncore
     server = make_server(db, host, port, token)
     shown = "127.0.0.1" if host in ("", "0.0.0.0") else host
-    print(f"Regatta dashboard on http://{shown}:{server.effective_port}/ (store {db}; "
-          f"ingest {'on' if token else 'off: no --token'})", flush=True)
+    print(f"Regatta dashboard on http://{shown}:{getattr(server, 'effective_port', port)}/ "
+          f"(store {db}; ingest {'on' if token else 'off: no --token'})", flush=True)
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM (systemd, docker, kill) ends it as cleanly as Ctrl-C does.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        server.run()
+        server.run()  # returns on Ctrl-C or SIGTERM, having stopped its worker threads
     finally:
-        stop(server)
+        wasyncore.close_all(_socket_map(server))  # the loop is over: close here
+        server.task_dispatcher.shutdown()
+        server.regatta_app.extensions["regatta_store"].close()
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

@@ -83,8 +83,8 @@ const C = (() => {
     const detail = Object.entries(e.detail || {}).filter(([, v]) => typeof v !== "object")
       .map(([k, v]) => k + "=" + (typeof v === "number" ? R.fmt.num(v, 4) : v)).join(", ");
     const who = e.kind.startsWith("host_") ? (e.detail || {}).target : [...e.hosts].join(", ");
-    return `<b>${e.kind}</b> step ${e.step ?? "–"}<br>${who || ""}` +
-      `${e.n > 1 ? " (" + e.n + " ranks)" : ""}<br>${detail}`;
+    return `<b>${R.esc(e.kind)}</b> step ${e.step ?? "–"}<br>${R.esc(who || "")}` +
+      `${e.n > 1 ? " (" + e.n + " ranks)" : ""}<br>${R.esc(detail)}`;
   }
 
   // Lines for the events that change the world, a marker strip for all of them.
@@ -101,7 +101,7 @@ const C = (() => {
         const who = e.kind === "failure" ? [...e.hosts].join(",") : (e.detail || {}).target;
         annotations.push({x: e.x, y: 0.93, xref: "x", yref: "paper", xanchor: "left",
                           yanchor: "top", showarrow: false, font: {size: 10, color},
-                          text: (e.kind === "failure" ? "✖ " : "+ ") + (who || e.kind)});
+                          text: (e.kind === "failure" ? "✖ " : "+ ") + R.esc(who || e.kind)});
       }
     }
     const trace = {type: "scatter", mode: "markers", name: "events", yaxis: "y2",
@@ -136,7 +136,8 @@ const C = (() => {
   function line(name, s, t0, extra) {
     return Object.assign({type: "scatter", mode: "lines", name, x: R.xs(s.step, s.time, t0),
                           y: s.value, customdata: s.step,
-                          hovertemplate: `${name}<br>step %{customdata}: %{y:.4g}<extra></extra>`},
+                          hovertemplate: `${R.esc(name)}<br>step %{customdata}: %{y:.4g}` +
+                                         "<extra></extra>"},
                          extra || {});
   }
 

@@ -87,6 +87,9 @@ const R = (() => {
     return node;
   }
 
+  // Plotly renders hover text as (a subset of) HTML: names and details come from workers.
+  const esc = (text) => String(text).replace(/[&<>"']/g, (c) => `&#${c.charCodeAt(0)};`);
+
   function showError(err) {
     const box = document.getElementById("error");
     box.hidden = !err;
@@ -138,6 +141,6 @@ const R = (() => {
     sync();
   }
 
-  return {api, css, layout, draw, xs, xTitle, fmt, el, live, controls, showError, state,
+  return {api, css, layout, draw, xs, xTitle, fmt, el, esc, live, controls, showError, state,
           pollMs, plotConfig};
 })();

@@ -65,13 +65,14 @@
       ["Throughput", R.fmt.num(r.throughput), "samples/s"],
       ["Last step", r.last_step, `${r.step_rows} step rows`],
       ["Duration", R.fmt.secs(r.duration_s), ""],
-      ["Started", R.fmt.when(r.started_at), "", "text"],
+      ["Started", new Date(r.started_at * 1000).toLocaleTimeString(),
+       new Date(r.started_at * 1000).toLocaleDateString()],
       ["Failures survived", `${r.failures_survived} / ${r.failures}`, ""],
       ["Ranks · hosts", `${r.ranks} · ${r.hosts.length}`, r.hosts.join(" ")],
     ];
-    document.getElementById("tiles").replaceChildren(...tiles.map(([k, v, sub, cls]) =>
+    document.getElementById("tiles").replaceChildren(...tiles.map(([k, v, sub]) =>
       R.el("div", {class: "tile"}, R.el("div", {class: "k"}, k),
-           R.el("div", {class: "v " + (cls || "")}, v ?? "–", " ", R.el("small", {}, sub)))));
+           R.el("div", {class: "v"}, v ?? "–", " ", R.el("small", {}, sub)))));
   }
 
   function drawTime(id, title, yTitle, traces, extra) {
@@ -135,13 +136,15 @@
     drawTime("chart-imbalance", "Imbalance: max / median across ranks", "ratio",
              st ? [C.line("step time", st, t0), C.line("compute time", ct, t0)] : []);
     renderBreakdown();
-    const comm = bufs.comm.get("all"), bw = bufs.bw.get("all");
+    const comm = bufs.comm.get("all");
+    let bw = bufs.bw.get("all");
+    if (bw && !bw.value.some((v) => v > 0)) bw = null;  // one rank: no allreduce traffic
     drawTime("chart-comm", "Communication", "comm / step time",
              [comm && C.line("comm fraction", comm, t0),
               bw && C.line("bus bandwidth (B/s)", bw, t0, {yaxis: "y3", line: {dash: "dot"}})]
                .filter(Boolean),
-             {yaxis3: {overlaying: "y", side: "right", title: {text: "bytes/s"},
-                       showgrid: false, automargin: true}});
+             bw ? {yaxis3: {overlaying: "y", side: "right", title: {text: "bytes/s"},
+                            showgrid: false, automargin: true}} : {});
     const tl = d.timeline;
     drawTime("chart-world", "World size", "ranks",
              [C.line("world size", {step: tl.step, time: tl.time, value: tl.world_size}, t0,
