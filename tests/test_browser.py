@@ -119,7 +119,7 @@ def test_runs_list_shows_the_runs(page, server, data):
 
 
 def test_run_page_charts_hold_the_stored_numbers(page, server, data, store):
-    page.goto(f"{server}/runs/{data['main']}{POLL}")
+    page.goto(f"{server}/runs/{data['main']}")
     rows = rank_rows(store, data["main"], 0)
     steptime = trace(page, "chart-steptime", "rank 0")
     assert steptime["x"] == [r.step for r in rows]
@@ -134,7 +134,7 @@ def test_run_page_charts_hold_the_stored_numbers(page, server, data, store):
 
 
 def test_failure_is_marked_and_costed(page, server, data):
-    page.goto(f"{server}/runs/{data['elastic']}{POLL}")
+    page.goto(f"{server}/runs/{data['elastic']}")
     trace(page, "chart-throughput", "total")
     lines = layout(page, "chart-throughput")["shapes"]
     assert any(s["x0"] == 28 and s["line"]["color"] == "#dc2626" for s in lines)

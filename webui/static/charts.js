@@ -22,21 +22,26 @@ const C = (() => {
       this.series = this.shape(body);
       this.cursor = body.cursor;
     }
+    // Returns whether anything new arrived.
     async poll() {
-      if (this.cursor === null || this.cursor === undefined) return this.load();
+      if (this.cursor === null || this.cursor === undefined) { await this.load(); return true; }
       const since = Math.max(-1, this.cursor - LOOKBACK);
       const body = await R.api(this.path, Object.assign({}, this.params, {since}));
       const byKey = new Map(this.series.map((s) => [s.key, s]));
+      let before = 0, after = 0;
       for (const fresh of this.shape(body)) {
+        after += fresh.step.length;
         const old = byKey.get(fresh.key);
         if (!old) { this.series.push(fresh); continue; }
         const keep = old.step.findIndex((st) => st > since);
         const cut = keep < 0 ? old.step.length : keep;
+        before += old.step.length - cut;
         for (const f of ["step", "time", "value"]) old[f] = old[f].slice(0, cut).concat(fresh[f]);
       }
       this.cursor = Math.max(this.cursor, body.cursor ?? this.cursor);
       // Appended points are not downsampled: start afresh once a series grows too long.
       if (this.series.some((s) => s.step.length > 3 * this.params.max_points)) await this.load();
+      return after !== before;
     }
     get(key) { return this.series.find((s) => s.key === key); }
   }

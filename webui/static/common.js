@@ -97,8 +97,8 @@ const R = (() => {
     document.getElementById("live-dot").classList.toggle("error", !!err);
   }
 
-  // Live updates: every pollMs, unless paused, run the page's refresh function.
-  function live(refresh) {
+  // Live updates: every pollMs (or minMs if longer), unless paused, run ``refresh``.
+  function live(refresh, minMs = 0) {
     const dot = document.getElementById("live-dot");
     const label = document.getElementById("live-label");
     const button = document.getElementById("pause");
@@ -114,9 +114,9 @@ const R = (() => {
         try { await refresh(); showError(null); } catch (err) { showError(err); }
         dot.classList.remove("busy");
       }
-      setTimeout(tick, pollMs);
+      setTimeout(tick, Math.max(pollMs, minMs));
     }
-    setTimeout(tick, pollMs);
+    setTimeout(tick, Math.max(pollMs, minMs));
   }
 
   // The Step/Time toggle and the log-y box; ``redraw`` re-renders from loaded data.

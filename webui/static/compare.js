@@ -24,12 +24,19 @@
     return entry;
   }
 
+  // Series poll with cursors (cheap); the timeline scans the whole run, so it follows
+  // at most every SLOW_MS while the run changes. Returns whether anything changed.
+  const SLOW_MS = Math.max(5 * R.pollMs, 5000);
   async function update(entry, full) {
-    const [info, events, timeline] = await Promise.all([R.api(entry.base),
+    const fresh = await Promise.all(Object.values(entry.bufs).map(
+      (b) => (full ? b.load().then(() => true) : b.poll())));
+    entry.dirty = entry.dirty || fresh.some(Boolean);
+    if (!full && !(entry.dirty && Date.now() - entry.slowAt > SLOW_MS)) return fresh.some(Boolean);
+    const [info, events, timeline] = await Promise.all([full ? R.api(entry.base) : entry.info,
       R.api(entry.base + "/events", {kinds: "failure,host_added,host_removed"}),
-      R.api(entry.base + "/timeline"),
-      ...Object.values(entry.bufs).map((b) => (full ? b.load() : b.poll()))]);
-    Object.assign(entry, {info, events: events.events, timeline});
+      R.api(entry.base + "/timeline")]);
+    Object.assign(entry, {info, events: events.events, timeline, slowAt: Date.now(), dirty: false});
+    return true;
   }
 
   function draw(id, title, yTitle, pick, extra) {
@@ -91,7 +98,7 @@
   picker().catch(R.showError);
   Promise.all([...runs.values()].map((r) => update(r, true))).then(render).catch(R.showError)
     .finally(() => R.live(async () => {
-      await Promise.all([...runs.values()].map((r) => update(r, false)));
-      render();
+      const changed = await Promise.all([...runs.values()].map((r) => update(r, false)));
+      if (changed.some(Boolean)) render();
     }));
 })();

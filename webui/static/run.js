@@ -41,15 +41,31 @@
     d.pipeline = pipe.pipeline;
   }
 
-  let signature = null;
+  // Series and events poll with cursors: cheap however long the run. The run summary,
+  // recoveries, breakdown and timeline scan the whole run: they follow at most every
+  // SLOW_MS while something changes, and once a minute anyway (a status change).
+  const SLOW_MS = Math.max(5 * R.pollMs, 5000);
+  let slowAt = 0, dirty = false;
+  async function loadSlow() {
+    [d.run] = await Promise.all([R.api(base), loadDerived()]);
+    slowAt = Date.now();
+    dirty = false;
+  }
+
   async function refresh(full) {
-    d.run = await R.api(base);
-    const sig = [d.run.step_rows, d.run.events, d.run.status].join("/");
-    if (!full && sig === signature) return renderTiles();
-    signature = sig;
-    const bufWork = Object.values(bufs).map((b) => (full ? b.load() : b.poll()));
-    await Promise.all([...bufWork, loadEvents(), loadDerived()]);
-    render();
+    if (full) {
+      await Promise.all([...Object.values(bufs).map((b) => b.load()), loadEvents(), loadSlow()]);
+      return render();
+    }
+    const seen = d.eventCursor;
+    const fresh = await Promise.all(Object.values(bufs).map((b) => b.poll()));
+    await loadEvents();
+    const changed = fresh.some(Boolean) || d.eventCursor !== seen;
+    dirty = dirty || changed;
+    const age = Date.now() - slowAt;
+    const slow = (dirty && age > SLOW_MS) || age > 60_000;
+    if (slow) await loadSlow();
+    if (changed || slow) render();
   }
 
   function ctx() { return {t0: d.run.started_at, timeline: d.timeline}; }
@@ -62,7 +78,7 @@
     const tiles = [
       ["Job", r.job, r.launcher],
       ["World size now", r.world_size, `min ${r.world_size_min ?? "–"} · max ${r.world_size_max ?? "–"}`],
-      ["Throughput", R.fmt.num(r.throughput), "samples/s"],
+      ["Throughput", R.fmt.num(r.throughput), "samples/s, recoveries included"],
       ["Last step", r.last_step, `${r.step_rows} step rows`],
       ["Duration", R.fmt.secs(r.duration_s), ""],
       ["Started", new Date(r.started_at * 1000).toLocaleTimeString(),
@@ -72,7 +88,7 @@
     ];
     document.getElementById("tiles").replaceChildren(...tiles.map(([k, v, sub]) =>
       R.el("div", {class: "tile"}, R.el("div", {class: "k"}, k),
-           R.el("div", {class: "v"}, v ?? "–", " ", R.el("small", {}, sub)))));
+           R.el("div", {class: "v"}, v ?? "–"), R.el("div", {class: "sub", title: sub}, sub))));
   }
 
   function drawTime(id, title, yTitle, traces, extra) {
@@ -175,7 +191,8 @@
       {type: "bar", name: "idle (bubble)", x: stages,
        y: p.stages.map((s) => mean(s.step_time) - mean(s.busy))}],
       Object.assign(R.layout("Per-stage busy vs idle (mean s per step)"),
-                    {barmode: "stack", xaxis: {title: {text: ""}}}));
+                    {barmode: "stack", xaxis: {title: {text: ""}},
+                     legend: {orientation: "h", y: -0.15, traceorder: "normal"}}));
     const lay = R.layout(`Bubble per stage (run: ${(100 * p.overall).toFixed(1)} %)`);
     lay.xaxis.title = {text: "step"};
     lay.yaxis = Object.assign(lay.yaxis, {tickformat: ".0%", type: "linear"});

@@ -36,5 +36,6 @@
   compare.addEventListener("click", () => {
     location.href = "/compare?runs=" + [...picked].map(encodeURIComponent).join(",");
   });
-  refresh().catch(R.showError).finally(() => R.live(refresh));
+  // Every 5 s at most: each run's summary scans all its step rows.
+  refresh().catch(R.showError).finally(() => R.live(refresh, 5000));
 })();
