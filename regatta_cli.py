@@ -32,7 +32,10 @@ def _local_parser(sub) -> None:
     p.add_argument("--gloo-timeout", type=int, default=30, help="seconds (Horovod's default 30)")
     p.add_argument("--stock-recovery", action="store_true",
                    help="turn off fast failure detection (stock Horovod behaviour)")
+    p.add_argument("--cold-workers", action="store_true",
+                   help="start each worker as a fresh Python process (no warm agents)")
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--module", default="", help=argparse.SUPPRESS)   # benchmarks' stock loop
     p.set_defaults(job_args=[])   # whatever follows `--` goes to the job
 
 
@@ -66,7 +69,8 @@ def build_local_plan(args):
                              for h, s in (parse_at(v, "--remove") for v in args.remove)],
                      slow=slow, pause=pauses, run_dir=args.run_dir, report=args.report,
                      gloo_timeout=args.gloo_timeout, fast_recovery=not args.stock_recovery,
-                     timeout=args.timeout, job_args=args.job_args)
+                     timeout=args.timeout, job_args=args.job_args,
+                     module=args.module, warm_agents=not args.cold_workers)
 
 
 def cmd_local(args) -> int:

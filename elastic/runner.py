@@ -12,6 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import horovod.torch as hvd
+import psutil
 import torch
 from tqdm import tqdm
 
@@ -36,11 +37,13 @@ def run(job: Job, cfg: TrainConfig, on_step: list | None = None) -> dict:
     recovery = FastRecovery(events) if elastic and os.environ.get("REGATTA_FAST_RECOVERY", "1") == "1" else None
     if recovery:
         recovery.before_init()
+    init_started = time.time()
     hvd.init()
     _share_cores()
     world = World.from_horovod(hvd)
     events.rank = world.rank
-    events.record("start", None, size=world.size, elastic=elastic, fast_recovery=bool(recovery))
+    events.record("start", None, size=world.size, elastic=elastic, fast_recovery=bool(recovery),
+                  process_created=psutil.Process().create_time(), init_started=init_started)
 
     torch.manual_seed(cfg.seed)   # identical initial weights everywhere, before any sync
     model = job.build_model()

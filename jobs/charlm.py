@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
     config = parse("charlm", {"model": CharLMConfig, "pipeline": PipelineConfig}, argv,
                    flags=PIPELINE_FLAGS)
     train, model, pipe = config["train"], config["model"], config["pipeline"]
-    if pipe.pp > 1:
+    if pipe.pipelined:
         # Imported only here: an mpirun pipeline never initialises Horovod.
         import sys
         from elastic.pipeline.trainer import run_pipeline

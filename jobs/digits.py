@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from sklearn.datasets import load_digits
 from torch import nn
 
 from elastic.config import ConfigError
@@ -34,7 +35,6 @@ class DigitsJob:
     name = "digits"
 
     def __init__(self, cfg: DigitsConfig):
-        from sklearn.datasets import load_digits
         self.cfg = cfg
         digits = load_digits()
         x = torch.tensor(digits.data, dtype=torch.float32) / 16.0

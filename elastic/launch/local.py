@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +49,8 @@ class LocalPlan:
     fast_recovery: bool = True
     timeout: float = 600.0
     job_args: list[str] = field(default_factory=list)
+    module: str = ""        # worker module; default jobs.<job> (benchmarks run a stock loop)
+    warm_agents: bool = True   # fork workers from a warm agent per host (elastic.launch.agent)
 
     def __post_init__(self) -> None:
         if self.hosts < 1 or self.slots < 1:
@@ -89,13 +92,18 @@ def parse_at(value: str, option: str) -> tuple[str, int]:
     return host, int(step)
 
 
+def worker_module(plan: LocalPlan) -> str:
+    return plan.module or f"jobs.{plan.job}"
+
+
 def horovodrun_command(plan: LocalPlan, hosts_file: Path) -> list[str]:
     venv_bin = Path(sys.executable).parent
+    python = [sys.executable, "-m", "elastic.launch.shim"] if plan.warm_agents else [sys.executable]
     return [str(venv_bin / "horovodrun"), "-np", str(plan.hosts * plan.slots),
             "--min-np", str(plan.slots), "--max-np", str(plan.max_np),
             "--host-discovery-script", f"{DISCOVER} {hosts_file}",
             "--network-interface", "lo", "--gloo-timeout-seconds", str(plan.gloo_timeout),
-            sys.executable, "-m", f"jobs.{plan.job}", "--run-dir", plan.run_dir,
+            *python, "-m", worker_module(plan), "--run-dir", plan.run_dir,
             "--steps", str(plan.steps), "--commit-every", str(plan.commit_every),
             "--no-progress", *plan.job_args]
 
@@ -123,7 +131,7 @@ def run_local(plan: LocalPlan) -> dict:
     run_discovery(f"{DISCOVER} {hosts_file}")      # fail now, clearly, not inside horovodrun
     every_host = plan.initial_hosts() + [h for h, _ in plan.add]
     log = EventLog(run_dir, "launcher", 0)
-    with loopback.aliases(every_host):
+    with loopback.aliases(every_host), warm_agents(plan, every_host):
         code = _supervise(plan, hosts, hosts_file, log)
     log.close()
     report = build_report(run_dir, exit_code=code, plan=plan)
@@ -163,6 +171,28 @@ def _supervise(plan: LocalPlan, hosts: list[Host], hosts_file: Path, log: EventL
         _stop(proc)
         output.close()
     return proc.returncode
+
+
+@contextmanager
+def warm_agents(plan: LocalPlan, hosts: list[str]):
+    """One warm agent per simulated host, hosts still to be added included (a node's
+    agent warms up while it boots, before the operator lists it for discovery)."""
+    agents = []
+    try:
+        if plan.warm_agents:
+            log = open(Path(plan.run_dir) / "agents.log", "w")
+            for host in hosts:
+                agents.append(subprocess.Popen(
+                    [sys.executable, "-m", "elastic.launch.agent", "--host", host,
+                     "--preload", worker_module(plan)],
+                    stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True))
+            for agent in agents:   # each prints one line once it listens
+                if not agent.stdout.readline():
+                    raise RuntimeError(f"a warm agent failed to start; see {log.name}")
+        yield
+    finally:
+        for agent in agents:
+            _stop(agent)
 
 
 def _apply(action: str, name: str, hosts: list[Host], slots: int) -> list[Host]:

@@ -12,6 +12,7 @@ from elastic.config import ConfigError
 
 SCHEDULES = ("gpipe", "1f1b")
 TRANSPORTS = ("auto", "mpi", "gloo")
+ENGINES = ("auto", "pipeline")
 
 
 @dataclass
@@ -22,6 +23,9 @@ class PipelineConfig:
     microbatches: int = 4        # per replica per optimizer step
     boundaries: list = field(default_factory=list)  # child index where each stage starts; [] = balanced
     transport: str = "auto"      # auto (mpi under mpirun, gloo under horovodrun) | mpi | gloo
+    engine: str = "auto"         # auto: pipeline trainer when pp > 1, else elastic data parallel;
+                                 # pipeline: always (the supervisor's re-plan onto fewer slots
+                                 # than stages resumes a pipeline checkpoint with pp = 1)
 
     def __post_init__(self) -> None:
         if isinstance(self.boundaries, str):   # --boundaries 0,3 or --set pipeline.boundaries=0,3
@@ -45,9 +49,16 @@ class PipelineConfig:
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"pipeline.transport must be one of {', '.join(TRANSPORTS)}, "
                               f"got {self.transport!r}")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"pipeline.engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.boundaries and len(self.boundaries) != self.pp:
             raise ConfigError(f"pipeline.boundaries {self.boundaries} lists {len(self.boundaries)} "
                               f"stage starts but pipeline.pp is {self.pp}")
+
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pp > 1 or self.engine == "pipeline"
 
 
 @dataclass(frozen=True)

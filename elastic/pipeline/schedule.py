@@ -73,7 +73,7 @@ def make_schedule(name: str, stage: int, stages: int, microbatches: int) -> list
 
 def simulate(lists: list[list[Action]]) -> dict:
     """Run every stage's list against the others with non-blocking sends and blocking
-    receives (the executor's semantics). Returns {"ticks", "peak_in_flight": [per stage]};
+    receives (the executor's semantics). Returns {"peak_in_flight": [per stage]};
     raises RuntimeError naming the stuck actions on a deadlock and ValueError when a list
     sends or receives something its neighbour never matches."""
     stages = len(lists)
@@ -81,7 +81,6 @@ def simulate(lists: list[list[Action]]) -> dict:
     received: set = set()
     pos = [0] * stages
     in_flight, peak = [0] * stages, [0] * stages
-    ticks = 0
     while any(pos[s] < len(lists[s]) for s in range(stages)):
         progressed = False
         for s in range(stages):
@@ -104,7 +103,6 @@ def simulate(lists: list[list[Action]]) -> dict:
                     in_flight[s] -= 1
                 pos[s] += 1
                 progressed = True
-        ticks += 1
         if not progressed:
             stuck = {s: lists[s][pos[s]] for s in range(stages) if pos[s] < len(lists[s])}
             raise RuntimeError(f"schedule deadlocks; stages wait at {stuck}")
@@ -112,4 +110,4 @@ def simulate(lists: list[list[Action]]) -> dict:
         raise ValueError(f"sent but never received: {sorted(sent - received)}")
     if any(in_flight):
         raise ValueError(f"microbatches left without a backward: {in_flight}")
-    return {"ticks": ticks, "peak_in_flight": peak}
+    return {"peak_in_flight": peak}

@@ -110,7 +110,8 @@ def _root() -> list[str]:
 def command(cfg: SupervisorConfig, hostfile: Path, pp: int, dp: int) -> list[str]:
     forward = [arg for name in FORWARD_ENV if name in os.environ for arg in ("-x", name)]
     # After the user's job arguments, so that the re-plan wins over them.
-    job = ["--pp", str(pp), "--dp", str(dp), "--run-dir", cfg.run_dir]
+    job = ["--pp", str(pp), "--dp", str(dp), "--run-dir", cfg.run_dir,
+           "--set", "pipeline.engine=pipeline"]
     if pp != cfg.pp:
         job += ["--boundaries", ""]     # hand-set boundaries were for the old stage count
     if cfg.microbatches:

@@ -1,0 +1,55 @@
+"""Warm agents and the worker shim: a forked worker behaves like a fresh process to
+horovodrun (output, exit status, signals), and without an agent the shim just execs."""
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import PYTHON, ROOT, kill_tree
+
+JOB = ["-m", "jobs.digits", "--steps", "30", "--no-progress", "--db", ""]
+
+
+@pytest.fixture
+def agent():
+    host = f"agent-test-{time.monotonic_ns()}"
+    proc = subprocess.Popen([PYTHON, "-m", "elastic.launch.agent", "--host", host,
+                             "--preload", "jobs.digits"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert "ready" in proc.stdout.readline()
+    yield host
+    kill_tree(proc.pid)
+
+
+def shim(host, run_dir, extra_env=None, **kwargs):
+    env = {"HOROVOD_HOSTNAME": host, "PATH": "/usr/bin:/bin", **(extra_env or {})}
+    return subprocess.Popen([PYTHON, "-m", "elastic.launch.shim", *JOB, "--run-dir", str(run_dir)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, **kwargs)
+
+
+def test_without_agent_the_shim_execs_python(tmp_path):
+    proc = shim("no-agent-here", tmp_path)
+    assert proc.wait(timeout=120) == 0
+    assert (tmp_path / "result.json").exists()
+
+
+def test_forked_worker_trains_and_exits_cleanly(agent, tmp_path):
+    proc = shim(agent, tmp_path)
+    assert proc.wait(timeout=120) == 0
+    events = (tmp_path / "events").glob("*.jsonl")
+    text = "".join(p.read_text() for p in events)
+    assert '"kind": "finish"' in text and '"step": 30' in text
+
+
+def test_killed_worker_is_reported_as_killed(agent, tmp_path):
+    plan = '{"kill": [{"host": "%s", "step": 5}]}' % agent
+    proc = shim(agent, tmp_path, {"REGATTA_FAULTS": plan})
+    assert proc.wait(timeout=120) == -signal.SIGKILL
+
+
+def test_sigterm_to_the_shim_reaches_the_worker(agent, tmp_path):
+    proc = shim(agent, tmp_path, {"REGATTA_FAULTS": '{"pause": [{"host": "%s", "step": 2, "seconds": 60}]}' % agent})
+    time.sleep(3)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == -signal.SIGTERM
