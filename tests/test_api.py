@@ -181,7 +181,8 @@ def test_pipeline_per_stage(client, data, store):
         mine = [r for r in rows if r["stage"] == stage["stage"]]
         busy = statistics.fmean(r["compute_time"] + r["comm_time"] for r in mine)
         step = statistics.fmean(r["step_time"] for r in mine)
-        assert stage["busy"] == pytest.approx([busy]) and stage["bubble"] == pytest.approx([1 - busy / step])
+        assert stage["busy"] == pytest.approx([busy])
+        assert stage["bubble"] == pytest.approx([1 - busy / step])
     assert [s["stage"] for s in body["stages"]] == [0, 1]
     assert get(client, f"/api/v1/runs/{data['main']}/pipeline")["pipeline"] is None
 
@@ -214,7 +215,8 @@ def test_json_export(client, data, store):
     ("series?metric=bogus", "metric"), ("series?by=node", "by"), ("series?from=x", "from"),
     ("series?from=9&to=3", "to"), ("series?since=-7", "since"), ("series?max_points=0", "max_points"),
     ("series?colour=red", "colour"), ("series?metric=loss&metric=lr", "metric"),
-    ("events?kinds=Bad!", "kinds"), ("events?since=x", "since"), ("imbalance?max_points=99999", "max_points"),
+    ("events?kinds=Bad!", "kinds"), ("events?since=x", "since"),
+    ("imbalance?max_points=99999", "max_points"),
     ("timeline?since=soon", "since"), ("export.csv?kind=bogus", "kind"), ("recoveries?x=1", "x"),
 ])
 def test_bad_parameters_are_400_naming_the_parameter(client, data, query, parameter):

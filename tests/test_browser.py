@@ -146,13 +146,23 @@ def test_failure_is_marked_and_costed(page, server, data):
     shot(page, "run-elastic")
 
 
-def _write_step(db, run_id, step, step_time):
-    """A step of all 6 ranks of the simulated elastic run, as a worker's sink writes it."""
-    sink = SQLiteSink(db, spool_dir=str(Path(db).parent / "spool"))
-    for rank in range(6):
-        sink.emit({"type": "step", "run_id": run_id, "step": step, "wall_time": 2e9 + step,
-                   "rank": rank, "world_size": 6, "host": f"host-{'acd'[rank // 2]}",
-                   "slot": rank % 2, "step_time": step_time, "samples": 32, "loss": 0.1})
+def _write_step(store, run_id, step, step_time):
+    """The next step of every rank (its last row, 80 ms later, with rank 0 taking
+    ``step_time``), written the way a worker's sink writes it."""
+    with store.engine.connect() as conn:
+        last = [r._asdict() for r in conn.execute(
+            select(StepMetric).where(StepMetric.run_id == run_id,
+                                     StepMetric.step == select(StepMetric.step).where(
+                                         StepMetric.run_id == run_id)
+                                     .order_by(StepMetric.wall_time.desc()).limit(1)
+                                     .scalar_subquery()))]
+    sink = SQLiteSink(store.path, spool_dir=str(Path(store.path).parent / "spool"))
+    for row in last:
+        row = {k: v for k, v in row.items() if k not in ("id", "uid")}  # the store's own keys
+        row.update(type="step", step=step, wall_time=row["wall_time"] + 0.08)
+        if row["rank"] == 0:
+            row["step_time"] = step_time
+        sink.emit(row)
     sink.close()
 
 
@@ -162,16 +172,16 @@ def _has_point(page, step, value):
                            " return i >= 0 && Math.abs(t.y[i] - v) < 1e-12; }", arg=[step, value])
 
 
-def test_live_update_and_pause(page, server, data):
+def test_live_update_and_pause(page, server, data, store):
     page.goto(f"{server}/runs/{data['elastic']}{POLL}")
     last = trace(page, "chart-steptime", "rank 0")["x"][-1]
     page.evaluate("() => { window.notReloaded = true; }")
-    _write_step(data["db"], data["elastic"], last + 1, 0.0912345)
-    _has_point(page, last + 1, 0.0912345)
+    _write_step(store, data["elastic"], last + 1, 0.0812345)
+    _has_point(page, last + 1, 0.0812345)
     assert page.evaluate("() => window.notReloaded === true")
     page.click("#pause")
     assert page.inner_text("#live-label") == "paused"
-    _write_step(data["db"], data["elastic"], last + 2, 0.0823456)
+    _write_step(store, data["elastic"], last + 2, 0.0823456)
     page.wait_for_timeout(1500)  # five polling periods
     assert last + 2 not in trace(page, "chart-steptime", "rank 0")["x"]
     page.click("#pause")

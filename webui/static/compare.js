@@ -81,7 +81,8 @@
       remove.addEventListener("click", () => setRuns(ids.filter((x) => x !== id)));
       const dot = R.el("span", {class: "dot"});
       dot.style.background = runs.get(id).color;
-      return R.el("span", {class: "chip"}, dot, R.el("a", {href: "/runs/" + encodeURIComponent(id)}, id), remove);
+      const link = R.el("a", {href: "/runs/" + encodeURIComponent(id)}, id);
+      return R.el("span", {class: "chip"}, dot, link, remove);
     });
     document.getElementById("picked").replaceChildren(...(chips.length ? chips
       : [R.el("span", {class: "muted"}, "none yet: pick two or more")]));

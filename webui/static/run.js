@@ -77,11 +77,13 @@
     status.className = "badge " + r.status;
     const tiles = [
       ["Job", r.job, r.launcher],
-      ["World size now", r.world_size, `min ${r.world_size_min ?? "–"} · max ${r.world_size_max ?? "–"}`],
-      ["Throughput", R.fmt.num(r.throughput), "samples/s, recoveries included"],
+      ["World size now", r.world_size,
+       `min ${r.world_size_min ?? "–"} · max ${r.world_size_max ?? "–"}`],
+      ["Throughput", R.fmt.num(r.throughput), "samples/s overall"],
       ["Last step", r.last_step, `${r.step_rows} step rows`],
       ["Duration", R.fmt.secs(r.duration_s), ""],
-      ["Started", new Date(r.started_at * 1000).toLocaleTimeString(),
+      ["Started", new Date(r.started_at * 1000).toLocaleTimeString([], {hour: "2-digit",
+                                                                      minute: "2-digit"}),
        new Date(r.started_at * 1000).toLocaleDateString()],
       ["Failures survived", `${r.failures_survived} / ${r.failures}`, ""],
       ["Ranks · hosts", `${r.ranks} · ${r.hosts.length}`, r.hosts.join(" ")],
