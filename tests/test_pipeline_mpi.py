@@ -37,7 +37,10 @@ def batch_indices() -> torch.Tensor:
 # (transport, pp, dp, cases): each group runs on world ranks 0 .. pp*dp-1 of one launch
 # (sub-communicator), so one interpreter start-up serves the whole matrix.
 PROGRAM = [("mpi", 2, 1, CASES), ("mpi", 3, 1, CASES), ("mpi", 2, 2, [("1f1b", 4), ("gpipe", 2)]),
-           ("gloo", 2, 1, [("1f1b", 4), ("gpipe", 8)])]
+           ("gloo", 2, 1, [("1f1b", 4), ("gpipe", 8)]), ("gloo", 2, 2, [("1f1b", 4)]),
+           ("mpi", 1, 2, [("1f1b", 2)])]
+TRAIN = dict(steps=3, global_batch=BATCH, optimizer="sgd", lr=LR, seed=SEED, progress=False,
+             commit_every=2, checkpoint_every=1)
 RANKS = 4
 
 
@@ -96,6 +99,21 @@ def worker(out: Path) -> None:
             transport.close()
             sub.Free()
         poll(comm.Ibarrier().Test)     # idle ranks sleep instead of spinning
+    train_loop(out)
+
+
+def train_loop(out: Path) -> None:
+    """The whole trainer (run_pipeline) for a few steps on all ranks, metrics collected."""
+    import json
+    from elastic.pipeline.config import PipelineConfig
+    from elastic.pipeline.trainer import run_pipeline, world_from_launcher
+    rows = []
+    world = world_from_launcher()
+    run_pipeline(CharLMJob(CharLMConfig(**MODEL)),
+                 TrainConfig(run_dir=str(out / "train"), **TRAIN),
+                 PipelineConfig(pp=2, dp=2, schedule="1f1b", microbatches=4, transport="mpi"),
+                 on_metrics=rows.append, world=world)
+    (out / f"metrics-rank{world.rank}.json").write_text(json.dumps(rows))
 
 
 # -- the test side -------------------------------------------------------------------------
@@ -176,11 +194,59 @@ def test_hybrid_dp2_pp2_matches_combined_batch(runs, ref):
     for schedule, m in (("1f1b", 4), ("gpipe", 2)):
         parts = check_case(runs, label("mpi", 2, 2, schedule, m), 4, ref)
         assert {(p["replica"], p["stage"]) for p in parts} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    # One stage per replica (what the supervisor falls back to on too few slots).
+    check_case(runs, label("mpi", 1, 2, "1f1b", 2), 2, ref)
 
 
 def test_gloo_transport_matches_single_process(runs, ref):
     for schedule, m in (("1f1b", 4), ("gpipe", 8)):
         check_case(runs, label("gloo", 2, 1, schedule, m), 2, ref)
+    check_case(runs, label("gloo", 2, 2, "1f1b", 4), 4, ref)
+
+
+def train_reference() -> torch.nn.Module:
+    """TRAIN's steps on one process: same cursor, same global batches, same optimizer."""
+    from elastic.sampler import Cursor, global_batch
+    job = CharLMJob(CharLMConfig(**MODEL))
+    torch.manual_seed(SEED)
+    model = job.build_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    cursor = Cursor()
+    for _ in range(TRAIN["steps"]):
+        indices = global_batch(cursor, len(job.train), BATCH, SEED)
+        optimizer.zero_grad()
+        loss_sum, count = job.loss_sum(model, (job.train[indices],))
+        (loss_sum / count).backward()
+        optimizer.step()
+        cursor = cursor.advance(len(indices), len(job.train))
+    return model
+
+
+def test_trainer_end_to_end_matches_single_process_and_reports_metrics(runs):
+    import json
+    from elastic.pipeline.checkpoint import load_full, read_manifest
+    run_dir = runs / "train"
+    result = json.loads((run_dir / "result.json").read_text())
+    assert (result["step"], result["world_size"], result["pipeline"]["dp"]) == (3, 4, 2)
+    assert [s["children"] for s in result["stages"]] == [[0, 3], [3, 6]]
+    assert read_manifest(run_dir / "checkpoint")["step"] == 3
+    job = CharLMJob(CharLMConfig(**MODEL))
+    model = job.build_model()
+    load_full(run_dir / "checkpoint", model)
+    expected = train_reference().state_dict()
+    for key, tensor in model.state_dict().items():
+        close(tensor, expected[key], f"trained {key}")
+    activation = 4 * (BATCH // 2 // 4) * MODEL["context"] * MODEL["dim"] * 4   # m x mb x T x D x 4 B
+    for rank in range(RANKS):
+        rows = json.loads((runs / f"metrics-rank{rank}.json").read_text())
+        assert [r["step"] for r in rows] == [1, 2, 3]
+        last = rows[-1]
+        assert last["stage"] == rank % 2 and last["replica"] == rank // 2
+        assert 0 < last["busy_time"] <= last["schedule_time"] <= last["step_time"]
+        assert 0 <= last["bubble"] < 1 and last["peak_activation_bytes"] > 0
+        assert last["activation_bytes"] == activation      # the shape header went only in step 1
+        assert (last["loss"] is not None) == (rank % 2 == 1)
+        assert last["allreduce_bytes"] > 0
 
 
 if __name__ == "__main__":

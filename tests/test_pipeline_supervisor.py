@@ -15,7 +15,7 @@ import pytest
 from elastic.events import read_events
 from elastic.launch.hosts import Host
 from elastic.pipeline.checkpoint import read_manifest
-from elastic.pipeline.supervisor import drop_failed, rank_hosts, replan
+from elastic.pipeline.supervisor import SupervisorConfig, command, drop_failed, rank_hosts, replan
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 120, 10
@@ -35,6 +35,21 @@ def test_replan_keeps_stages_and_drops_what_failed():
     assert left == [Host("a", 2), Host("b", 1)] and dropped[0]["host"] == "b"
     out = "  Remote daemon: [[1,0],1] on node a\n"
     assert drop_failed(hosts, out, placed)[0] == [Host("b", 2)]
+
+
+def test_relaunch_command_replans_stages(tmp_path):
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("a slots=1\n")
+    cfg = SupervisorConfig(job="charlm", hostfile=str(hostfile), pp=2,
+                           job_args=["--boundaries", "0,3", "--steps", "5"])
+    line = command(cfg, hostfile, *replan([Host("a", 1)], cfg.pp))
+    tail = line[line.index("jobs.charlm") + 1:]
+    # The re-plan comes after the user's arguments (argparse: last wins): one stage,
+    # balanced boundaries, and the pipeline trainer even at pp = 1 (its checkpoint format).
+    assert tail[:4] == ["--boundaries", "0,3", "--steps", "5"]
+    assert tail[4:] == ["--pp", "1", "--dp", "1", "--run-dir", "runs/pipeline", "--set",
+                        "pipeline.engine=pipeline", "--boundaries", ""]
+    assert line[line.index("-np") + 1] == "1"
 
 
 def wait_for(predicate, timeout: float, what: str):

@@ -1,0 +1,169 @@
+"""Pipeline schedules and transport, measured side by side in one mpirun launch.
+
+    .venv/bin/python bench/bench_pipeline.py [--dim 512] [--batch 256] [--steps 5]
+
+Starts ``mpirun -np 2`` on itself (2 stages, one rank each) and prints:
+
+* measured bubble fraction (1 - busy/step time, mean of both stages) against the ideal
+  (p-1)/(m+p-1) for p = 2 and m = 1, 2, 4, 8, under GPipe and 1F1B. The model is a stack
+  of equal Linear+Tanh layers cut in two equal halves, so the stages are balanced as the
+  formula assumes; the global batch stays fixed and is split into m microbatches.
+* peak autograd-saved activation bytes held on a stage, 1F1B / GPipe (ideal at stage 0:
+  min(p, m) / m).
+* the time to move a 16 MB float32 tensor to the other rank over the MPI transport (and the
+  Gloo one) divided by the time of a 16 MB memory copy (``Tensor.copy_``), both measured
+  in this run.
+
+Each rank runs one thread; on a shared machine the numbers move with the load.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MICROBATCHES = (1, 2, 4, 8)
+MB16 = 16 * 2 ** 20
+
+
+def options(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dim", type=int, default=512, help="width of every Linear layer")
+    parser.add_argument("--layers", type=int, default=8, help="Linear+Tanh layers (even)")
+    parser.add_argument("--batch", type=int, default=256, help="samples per step (all microbatches)")
+    parser.add_argument("--steps", type=int, default=5, help="measured steps per case (after 1 warm-up)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+# -- worker side (inside mpirun) ------------------------------------------------------------
+def schedule_case(transport, grid, module, opts, schedule: str, m: int) -> dict:
+    import torch
+    from elastic.pipeline.executor import StageExecutor
+    from elastic.pipeline.schedule import make_schedule
+    executor = StageExecutor(module, grid, transport, loss_fn=lambda out, mb: out.pow(2).sum())
+    actions = make_schedule(schedule, grid.stage, 2, m)
+    size = opts.batch // m
+    torch.manual_seed(0)
+    micro = [torch.randn(size, opts.dim) for _ in range(m)]
+    bubbles, peaks = [], []
+    for step in range(opts.steps + 1):
+        module.zero_grad(set_to_none=True)
+        transport.barrier()          # both stages start the step together
+        stats = executor.run(actions, inputs=micro if grid.is_first else None,
+                             targets=micro if grid.is_last else None)
+        if step:                     # step 0 warms up allocators and agrees shapes
+            bubbles.append(stats.bubble)
+            peaks.append(stats.peak_activation_bytes)
+    return {"bubble": statistics.median(bubbles), "peak": max(peaks)}
+
+
+def ping(transport, peer: int, rank: int, tensor, repeats: int = 10) -> float:
+    """Median one-way time of ``tensor`` to ``peer`` (half a round trip)."""
+    times = []
+    for _ in range(repeats + 1):
+        transport.barrier()
+        started = time.perf_counter()
+        if rank == 0:
+            transport.isend(tensor, peer, 1).wait()
+            transport.irecv(tensor, peer, 2).wait()
+        else:
+            transport.irecv(tensor, peer, 1).wait()
+            transport.isend(tensor, peer, 2).wait()
+        times.append((time.perf_counter() - started) / 2)
+    return statistics.median(times[1:])
+
+
+def copy_time(tensor, repeats: int = 10) -> float:
+    import torch
+    dst = torch.empty_like(tensor)
+    times = []
+    for _ in range(repeats + 1):
+        started = time.perf_counter()
+        dst.copy_(tensor)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
+
+
+def worker(opts) -> None:
+    import torch
+    from torch import nn
+    from mpi4py import MPI
+    from elastic.pipeline.grid import Grid, cut
+    from elastic.pipeline.transport import GlooTransport, MpiTransport, free_port
+    torch.set_num_threads(1)
+    rank = MPI.COMM_WORLD.Get_rank()
+    transport = MpiTransport(dp_color=rank, dp_key=0)
+    grid = Grid(rank=rank, pp=2, dp=1)
+    torch.manual_seed(0)
+    layers = [m for _ in range(opts.layers) for m in (nn.Linear(opts.dim, opts.dim), nn.Tanh())]
+    module = cut(nn.Sequential(*layers), *((0, opts.layers), (opts.layers, 2 * opts.layers))[rank])
+    result = {"schedules": {}}
+    for schedule in ("gpipe", "1f1b"):
+        for m in MICROBATCHES:
+            result["schedules"][f"{schedule}:{m}"] = schedule_case(transport, grid, module, opts,
+                                                                   schedule, m)
+    tensor = torch.randn(MB16 // 4)
+    result["copy_s"] = copy_time(tensor)
+    result["mpi_s"] = ping(transport, 1 - rank, rank, tensor)
+    init = MPI.COMM_WORLD.bcast(f"tcp://127.0.0.1:{free_port()}" if rank == 0 else None, root=0)
+    gloo = GlooTransport(rank, 2, init, [[0], [1]], rank)
+    result["gloo_s"] = ping(gloo, 1 - rank, rank, tensor)
+    gloo.close()
+    everyone = transport.gather_object(result)
+    if rank == 0:
+        print("RESULT " + json.dumps(everyone))
+    transport.close()
+
+
+# -- launcher side ----------------------------------------------------------------------------
+def report(ranks: list[dict]) -> None:
+    p = 2
+    print(f"{'schedule':8} {'m':>2} {'bubble':>7} {'ideal':>6} {'ratio':>6}   peak activations")
+    for schedule in ("gpipe", "1f1b"):
+        for m in MICROBATCHES:
+            measured = statistics.mean(r["schedules"][f"{schedule}:{m}"]["bubble"] for r in ranks)
+            ideal = (p - 1) / (m + p - 1)
+            peak = max(r["schedules"][f"{schedule}:{m}"]["peak"] for r in ranks)
+            print(f"{schedule:8} {m:2d} {measured:7.3f} {ideal:6.3f} {measured / ideal:6.2f}"
+                  f"   {peak / 2 ** 20:8.2f} MiB")
+    print("\npeak activation bytes held, 1F1B / GPipe (stage 0; ideal min(p, m) / m):")
+    for m in MICROBATCHES:
+        one = ranks[0]["schedules"][f"1f1b:{m}"]["peak"]
+        gp = ranks[0]["schedules"][f"gpipe:{m}"]["peak"]
+        print(f"  m={m}: {one / gp:.3f} (ideal {min(p, m) / m:.3f})")
+    copy_s = ranks[0]["copy_s"]
+    print(f"\n16 MB transfer / 16 MB memory copy ({copy_s * 1e3:.2f} ms, {MB16 / copy_s / 1e9:.1f} GB/s):")
+    for name in ("mpi", "gloo"):
+        t = ranks[0][f"{name}_s"]
+        print(f"  {name:4}: {t * 1e3:7.2f} ms  ({MB16 / t / 1e9:5.2f} GB/s)  ratio {t / copy_s:6.2f}")
+
+
+def main(argv=None) -> None:
+    opts = options(argv)
+    if opts.worker:
+        return worker(opts)
+    if opts.layers % 2 or opts.batch % max(MICROBATCHES):
+        raise SystemExit(f"--layers ({opts.layers}) must be even and --batch ({opts.batch}) "
+                         f"divisible by {max(MICROBATCHES)}")
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    command = ["mpirun", *root, "--oversubscribe", "--bind-to", "none", "-np", "2", sys.executable,
+               __file__, "--worker", *(argv if argv is not None else sys.argv[1:])]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode or not lines:
+        raise SystemExit(f"mpirun failed ({done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    report(json.loads(lines[0][len("RESULT "):]))
+
+
+if __name__ == "__main__":
+    main()
