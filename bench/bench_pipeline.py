@@ -1,11 +1,13 @@
 """Pipeline schedules and transport, measured side by side in one mpirun launch.
 
-    .venv/bin/python bench/bench_pipeline.py [--dim 512] [--batch 256] [--steps 5]
+    .venv/bin/python bench/bench_pipeline.py [--dim 512] [--batch 256] [--steps 10]
 
 Starts ``mpirun -np 2`` on itself (2 stages, one rank each) and prints:
 
-* measured bubble fraction (1 - busy/step time, mean of both stages) against the ideal
-  (p-1)/(m+p-1) for p = 2 and m = 1, 2, 4, 8, under GPipe and 1F1B. The model is a stack
+* measured bubble fraction (1 - busy/elapsed over back-to-back steps, mean of both
+  stages) against the ideal (p-1)/(m+p-1) for p = 2 and m = 1, 2, 4, 8, under GPipe and
+  1F1B, with each rank's CPU time per busy second (below 1: it was descheduled while
+  computing, so the two stages' work did not overlap as it should). The model is a stack
   of equal Linear+Tanh layers cut in two equal halves, so the stages are balanced as the
   formula assumes; the global batch stays fixed and is split into m microbatches.
 * peak autograd-saved activation bytes held on a stage, 1F1B / GPipe (ideal at stage 0:
@@ -39,7 +41,7 @@ def options(argv=None) -> argparse.Namespace:
     parser.add_argument("--dim", type=int, default=512, help="width of every Linear layer")
     parser.add_argument("--layers", type=int, default=8, help="Linear+Tanh layers (even)")
     parser.add_argument("--batch", type=int, default=256, help="samples per step (all microbatches)")
-    parser.add_argument("--steps", type=int, default=5, help="measured steps per case (after 1 warm-up)")
+    parser.add_argument("--steps", type=int, default=10, help="measured steps per case (after 1 warm-up)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -53,17 +55,27 @@ def schedule_case(transport, grid, module, opts, schedule: str, m: int) -> dict:
     actions = make_schedule(schedule, grid.stage, 2, m)
     size = opts.batch // m
     torch.manual_seed(0)
-    micro = [torch.randn(size, opts.dim) for _ in range(m)]
-    bubbles, peaks = [], []
-    for step in range(opts.steps + 1):
+    # Inputs that need a gradient: stage 0 then computes its first layer's input gradient
+    # as stage 1 does, and the two stages stay balanced as the ideal formula assumes.
+    micro = [torch.randn(size, opts.dim, requires_grad=True) for _ in range(m)]
+    run = lambda: executor.run(actions, inputs=micro if grid.is_first else None,  # noqa: E731
+                               targets=micro if grid.is_last else None)
+    run()                            # warm-up: allocators, and the one-time shape header
+    transport.barrier()
+    # Steps back to back, as in training: a stage's idle time at the end of one step (the
+    # last stage waits for stage 0 to drain its backwards) shows up as waiting at the
+    # start of the next, so busy / elapsed over many steps is each stage's true share.
+    busy, peak, started, cpu = 0.0, 0, time.perf_counter(), time.process_time()
+    for _ in range(opts.steps):
         module.zero_grad(set_to_none=True)
-        transport.barrier()          # both stages start the step together
-        stats = executor.run(actions, inputs=micro if grid.is_first else None,
-                             targets=micro if grid.is_last else None)
-        if step:                     # step 0 warms up allocators and agrees shapes
-            bubbles.append(stats.bubble)
-            peaks.append(stats.peak_activation_bytes)
-    return {"bubble": statistics.median(bubbles), "peak": max(peaks)}
+        stats = run()
+        busy += stats.busy_time
+        peak = max(peak, stats.peak_activation_bytes)
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
+    transport.barrier()
+    # cpu / busy < 1: the rank was descheduled while computing (other load on the cores),
+    # which stretches busy phases that should overlap and inflates the bubble.
+    return {"bubble": 1 - busy / elapsed, "peak": peak, "cpu_per_busy": cpu / busy}
 
 
 def ping(transport, peer: int, rank: int, tensor, repeats: int = 10) -> float:
@@ -127,14 +139,16 @@ def worker(opts) -> None:
 # -- launcher side ----------------------------------------------------------------------------
 def report(ranks: list[dict]) -> None:
     p = 2
-    print(f"{'schedule':8} {'m':>2} {'bubble':>7} {'ideal':>6} {'ratio':>6}   peak activations")
+    print(f"{'schedule':8} {'m':>2} {'bubble':>7} {'ideal':>6} {'ratio':>6}   peak activations"
+          f"   cpu/busy")
     for schedule in ("gpipe", "1f1b"):
         for m in MICROBATCHES:
             measured = statistics.mean(r["schedules"][f"{schedule}:{m}"]["bubble"] for r in ranks)
             ideal = (p - 1) / (m + p - 1)
             peak = max(r["schedules"][f"{schedule}:{m}"]["peak"] for r in ranks)
+            cpu = min(r["schedules"][f"{schedule}:{m}"]["cpu_per_busy"] for r in ranks)
             print(f"{schedule:8} {m:2d} {measured:7.3f} {ideal:6.3f} {measured / ideal:6.2f}"
-                  f"   {peak / 2 ** 20:8.2f} MiB")
+                  f"   {peak / 2 ** 20:8.2f} MiB   {cpu:8.2f}")
     print("\npeak activation bytes held, 1F1B / GPipe (stage 0; ideal min(p, m) / m):")
     for m in MICROBATCHES:
         one = ranks[0]["schedules"][f"1f1b:{m}"]["peak"]
