@@ -1,13 +1,16 @@
 """Pipeline runs in real mpirun processes equal the single-process model.
 
-One mpirun launch runs every (schedule, microbatches) case of a grid in a loop (this file
-is also the worker: ``python tests/test_pipeline_mpi.py --pp 2 ...`` under mpirun) and
-writes each rank's loss, gradients and post-step parameters to files; the test compares
+One 4-rank mpirun launch runs the whole PROGRAM, each (transport, pp, dp) group on a
+sub-communicator and every (schedule, microbatches) case in a loop, then a few steps of
+the full trainer. This file is also the worker:
+
+    PYTHONPATH=. mpirun -np 4 --oversubscribe python tests/test_pipeline_mpi.py OUT_DIR
+
+Each rank writes its loss, gradients and post-step parameters to OUT_DIR; the tests compare
 them with the same model, batch and optimizer step computed in the test process.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import subprocess

@@ -65,7 +65,7 @@ class StageExecutor:
         """``inputs``: stage 0's microbatch inputs; ``targets``: the last stage's
         microbatches for ``loss_fn``; ``scale`` multiplies the loss before backward (1 /
         the global count, so gradients come out as the step's mean)."""
-        self.stats = StageStats(microbatches=len(inputs or targets or []))
+        self.stats = StageStats(microbatches=sum(a.kind == "fwd" for a in actions))
         self._inputs, self._targets, self._scale = inputs, targets, scale
         self._x, self._out, self._grad_in, self._grad_out = {}, {}, {}, {}
         self._posted: dict[tuple, Handle] = {}

@@ -78,11 +78,11 @@ def drop_failed(hosts: list[Host], output: str, placed: list[str]) -> tuple[list
     daemon's whole host. Returns (hosts left, what was dropped)."""
     slots = {h.name: h.slots for h in hosts}
     dropped = []
-    for rank, node, signal in KILLED.findall(output):
+    for rank, node, signum in KILLED.findall(output):
         host = placed[int(rank)] if int(rank) < len(placed) else node
         if slots.get(host, 0) > 0:
             slots[host] -= 1
-            dropped.append({"rank": int(rank), "host": host, "signal": int(signal), "lost": "slot"})
+            dropped.append({"rank": int(rank), "host": host, "signal": int(signum), "lost": "slot"})
     for node in LOST.findall(output):
         if slots.pop(node, None) is not None:
             dropped.append({"host": node, "lost": "host"})
