@@ -3,6 +3,8 @@
     regatta local digits --hosts 3 --steps 200 --kill 2@60 --add @120 --report r.json
     regatta check-hosts --hostfile hostfiles/localhost.txt
     regatta check-hosts --discovery "hostfiles/discover.sh hostfiles/hosts.txt"
+    regatta ui --db runs/regatta.db                      # the dashboard, 127.0.0.1:8050
+    regatta demo                                         # dashboard + a live elastic run
 """
 from __future__ import annotations
 
@@ -85,6 +87,48 @@ def cmd_local(args) -> int:
     return report["exit_code"]
 
 
+def cmd_demo(args) -> int:
+    """The dashboard plus a live elastic run on simulated hosts that loses a worker and
+    gains a host while it trains; keeps serving until interrupted."""
+    import os
+    import secrets
+    import subprocess
+    import time
+    import urllib.request
+    from elastic.launch.local import run_local
+    token = secrets.token_hex(16)
+    url = f"http://127.0.0.1:{args.port}"
+    server = subprocess.Popen([sys.executable, "-m", "webui.serve", "--db", args.db,
+                               "--port", str(args.port), "--token", token])
+    try:
+        for _ in range(100):   # wait until it answers
+            try:
+                urllib.request.urlopen(url + "/api/v1/runs", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.2)
+        print(f"\n  Dashboard: {url}   (open it now: the run appears live)\n", flush=True)
+        os.environ["REGATTA_INGEST_TOKEN"] = token
+        plan = build_local_plan(argparse.Namespace(
+            job="digits", hosts=3, slots=1, steps=args.steps, commit_every=20,
+            kill=[f"2@{args.steps * 3 // 10}"], add=[f"@{args.steps * 6 // 10}"], remove=[],
+            slow=["1:1.4"], pause=[], run_dir="runs/demo", report="runs/demo/report.json",
+            gloo_timeout=30, stock_recovery=False, cold_workers=False, timeout=1800.0,
+            module="", job_args=["--ingest", url, "--set", "model.hidden=512"]))
+        report = run_local(plan)
+        for change in report["changes"]:
+            print(f"  {change['kind']} of {change['host']} at step {change['step']}: training "
+                  f"again {change['first_step_done_s']:.2f} s later, {change['steps_redone']} steps redone")
+        print(f"\n  Finished. The dashboard keeps serving at {url} until Ctrl-C.", flush=True)
+        server.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.terminate()
+        server.wait(10)
+    return 0
+
+
 def cmd_check_hosts(args) -> int:
     from elastic.launch.hosts import parse_hostfile, run_discovery
     if args.hostfile:
@@ -106,6 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     group = check.add_mutually_exclusive_group(required=True)
     group.add_argument("--hostfile")
     group.add_argument("--discovery", metavar="COMMAND")
+    from webui.serve import add_parser as add_ui_parser, main as cmd_ui
+    add_ui_parser(sub)
+    demo = sub.add_parser("demo", help="dashboard + a live elastic run with a failure and an addition")
+    demo.add_argument("--db", default="runs/regatta.db")
+    demo.add_argument("--port", type=int, default=8050)
+    demo.add_argument("--steps", type=int, default=3000)
     argv = list(sys.argv[1:] if argv is None else argv)
     passed = argv[argv.index("--") + 1:] if "--" in argv else []
     args = parser.parse_args(argv[:len(argv) - len(passed) - (1 if "--" in argv else 0)])
@@ -114,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     from elastic.config import ConfigError
     from elastic.launch.hosts import HostsError
     from elastic.launch.local import PlanError
-    handlers = {"local": cmd_local, "check-hosts": cmd_check_hosts}
+    handlers = {"local": cmd_local, "check-hosts": cmd_check_hosts, "ui": cmd_ui, "demo": cmd_demo}
     try:
         return handlers[args.command](args)
     except (ConfigError, HostsError, PlanError, OSError) as err:

@@ -74,6 +74,8 @@ def drain_host_updates(state: TrainState) -> int:
         if timestamp > state._last_updated_timestamp:
             state._last_updated_timestamp = timestamp
             update |= result
+    if update and state.interrupted_at is None:
+        state.interrupted_at = time.time()
     return int(update)
 
 

@@ -23,8 +23,11 @@ class EventLog:
         self.rank: int | None = None
         self._lock = threading.Lock()   # the lifeline watchdog records from its own thread
 
-    def record(self, kind: str, step: int | None = None, **detail) -> dict:
-        event = {"kind": kind, "wall_time": time.time(), "step": step, "host": self.host,
+    def record(self, kind: str, step: int | None = None, wall_time: float | None = None,
+               **detail) -> dict:
+        """``wall_time`` backdates an event recorded after the fact (a failure is written
+        once the survivors re-formed, but happened when they noticed it)."""
+        event = {"kind": kind, "wall_time": wall_time or time.time(), "step": step, "host": self.host,
                  "slot": self.slot, "rank": self.rank, "pid": os.getpid(), **detail}
         with self._lock:
             self._file.write(json.dumps(event) + "\n")

@@ -127,16 +127,16 @@ class StepReporter:
             if session.world.size > 1 else [session.world.host]
         self.straggler.reset()
         if before and session.world.is_root:
-            lost = sorted(set(before) - set(self.hosts))
-            for host in lost:
+            noticed = state.interrupted_at
+            for host in sorted(set(before) - set(self.hosts)):
                 kind = "failure" if state.restored_from is not None else "host_removed"
                 step = state.step if state.restored_from is None else state.restored_from
-                session.events.record(kind, step, lost_host=host,
+                session.events.record(kind, step, wall_time=noticed, target=host,
                                       size_before=len(before), size_after=len(self.hosts))
             for host in sorted(set(self.hosts) - set(before)):
-                session.events.record("host_added", state.step, new_host=host,
+                session.events.record("host_added", state.step, wall_time=noticed, target=host,
                                       size_before=len(before), size_after=len(self.hosts))
-        state.restored_from = None
+        state.restored_from = state.interrupted_at = None
 
     def on_step(self, session, state, stats) -> None:
         world = session.world

@@ -32,6 +32,7 @@ class TrainState(hvd.elastic.TorchState):
         self._audit = os.environ.get("REGATTA_AUDIT") == "1"
         self.before_reset_hooks: list = []   # run before Horovod re-initialises
         self.restored_from: int | None = None  # step a failure interrupted, until re-entry
+        self.interrupted_at: float | None = None  # when this membership change was noticed
         super().__init__(model=model, optimizer=optimizer, step=0, epoch=0, consumed=0)
 
     # -- the sampler cursor lives in two plain attributes so ObjectState can sync them
@@ -68,6 +69,7 @@ class TrainState(hvd.elastic.TorchState):
     def restore(self) -> None:
         """Called by ``hvd.elastic.run`` after a failed collective, before the reset."""
         self.before_reset()
+        self.interrupted_at = self.interrupted_at or time.time()
         failed_at = self.restored_from = self.step
         super().restore()
         self.optimizer.zero_grad(set_to_none=True)

@@ -78,7 +78,7 @@ def test_store_holds_failure_and_world_size_change(kill_run):
     store = Store(str(tmp / "m.db"))
     (run,) = store.runs()
     failures = store.events(run["id"], kinds=["failure"])
-    assert len(failures) == 1 and failures[0]["detail"]["lost_host"] == "127.0.0.3"
+    assert len(failures) == 1 and failures[0]["detail"]["target"] == "127.0.0.3"
     assert failures[0]["step"] == 75 and failures[0]["detail"]["size_after"] == 2
     assert failures[0]["wall_time"] >= report["changes"][0]["wall_time"]
     resets = store.events(run["id"], kinds=["reset"])

@@ -70,7 +70,8 @@ def recoveries(events: list[dict]) -> list[dict]:
     triggers = _grouped([e for e in events if e["kind"] in TRIGGERS])
     rows = _rows(events, triggers)
     # peer_lost outside every explained recovery window is a failure nobody announced.
-    windows = [(r["wall_time"], r["wall_time"] + (r["first_step_done_s"] or GROUP_S))
+    # A survivor may notice a death a little before the rank that records the failure.
+    windows = [(r["wall_time"] - GROUP_S, r["wall_time"] + (r["first_step_done_s"] or GROUP_S))
                for r in rows]
     orphans = [e for e in events if e["kind"] == "peer_lost"
                and not any(lo <= e["wall_time"] <= hi for lo, hi in windows)]
