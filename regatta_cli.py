@@ -3,6 +3,7 @@
     regatta local digits --hosts 3 --steps 200 --kill 2@60 --add @120 --report r.json
     regatta check-hosts --hostfile hostfiles/localhost.txt
     regatta check-hosts --discovery "hostfiles/discover.sh hostfiles/hosts.txt"
+    regatta supervise charlm --hostfile hostfiles/pipeline.txt --pp 2 -- --steps 400
     regatta ui --db runs/regatta.db                      # the dashboard, 127.0.0.1:8050
     regatta demo                                         # dashboard + a live elastic run
 """
@@ -129,6 +130,15 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_supervise(args) -> int:
+    from elastic.pipeline.supervisor import from_args, supervise
+    report = supervise(from_args(args))
+    for attempt in report["attempts"]:
+        print(f"attempt: pp={attempt['pp']} dp={attempt['dp']} exit={attempt['exit_code']} "
+              f"resumed from step {attempt['resumed_from']}")
+    return 0 if report["exit_code"] == 0 else 1
+
+
 def cmd_check_hosts(args) -> int:
     from elastic.launch.hosts import parse_hostfile, run_discovery
     if args.hostfile:
@@ -150,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     group = check.add_mutually_exclusive_group(required=True)
     group.add_argument("--hostfile")
     group.add_argument("--discovery", metavar="COMMAND")
+    from elastic.pipeline.supervisor import add_arguments as add_supervise_arguments
+    add_supervise_arguments(sub.add_parser(
+        "supervise", help="run an mpirun pipeline job, relaunching it from its checkpoint "
+                          "on the surviving slots when a rank dies"))
     from webui.serve import add_parser as add_ui_parser, main as cmd_ui
     add_ui_parser(sub)
     demo = sub.add_parser("demo", help="dashboard + a live elastic run with a failure and an addition")
@@ -164,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     from elastic.config import ConfigError
     from elastic.launch.hosts import HostsError
     from elastic.launch.local import PlanError
-    handlers = {"local": cmd_local, "check-hosts": cmd_check_hosts, "ui": cmd_ui, "demo": cmd_demo}
+    handlers = {"local": cmd_local, "check-hosts": cmd_check_hosts, "ui": cmd_ui, "demo": cmd_demo,
+                "supervise": cmd_supervise}
     try:
         return handlers[args.command](args)
     except (ConfigError, HostsError, PlanError, OSError) as err:

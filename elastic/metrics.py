@@ -156,3 +156,32 @@ class StepReporter:
 
     def close(self) -> None:
         self.sampler.stop()
+
+
+class PipelineReporter:
+    """The pipeline trainer's ``on_metrics`` hook: each rank's step as a store row, plus
+    the run row (from the rank that holds the loss). Per-stage busy time, receive wait
+    and bubble land in compute_time, wait_time and the stage column."""
+
+    def __init__(self, cfg, job_name: str):
+        from elastic.pipeline.metrics import StepMetrics
+        self._metrics_cls = StepMetrics
+        self.sink, self.run_id, self.job, self.cfg = open_sink(cfg), run_id_for(job_name, cfg.run_dir), job_name, cfg
+        self._announced = False
+
+    def __call__(self, metrics: dict) -> None:
+        fields = {k: v for k, v in metrics.items() if k != "type"}
+        row = self._metrics_cls(**fields).as_step_row(self.run_id)
+        if not self._announced and fields["rank"] == 0:
+            self.sink.emit({"type": "run", "id": self.run_id, "job": self.job, "status": "running",
+                            "started_at": time.time(), "launcher": "mpirun",
+                            "config": {"steps": self.cfg.steps, "pipeline": True}})
+            self._announced = True
+        self.sink.emit(row)
+
+    def close(self, finished: bool) -> None:
+        if self._announced and finished:
+            self.sink.emit({"type": "run", "id": self.run_id, "job": self.job,
+                            "status": "finished", "started_at": time.time(),
+                            "finished_at": time.time()})
+        self.sink.close()

@@ -152,12 +152,19 @@ def main(argv: list[str] | None = None) -> dict:
     if pipe.pipelined:
         # Imported only here: an mpirun pipeline never initialises Horovod.
         import sys
+        from elastic.metrics import PipelineReporter
         from elastic.pipeline.trainer import run_pipeline
+        reporter = PipelineReporter(train, "charlm")
+        finished = False
         try:
-            return run_pipeline(CharLMJob(model), train, pipe)
+            result = run_pipeline(CharLMJob(model), train, pipe, on_metrics=reporter)
+            finished = True
+            return result
         except ConfigError as err:   # the plan does not fit this world or model
             print(f"config error: {err}", file=sys.stderr)
             raise SystemExit(2)
+        finally:
+            reporter.close(finished)
     from elastic import runner
     return runner.run(CharLMJob(model), train)
 
