@@ -143,11 +143,22 @@ PIPELINE_FLAGS = {"pp": ("pipeline.pp", int), "dp": ("pipeline.dp", int),
                   "transport": ("pipeline.transport", str)}
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_config(argv: list[str] | None = None) -> dict:
     from elastic.pipeline.config import PipelineConfig
+    from elastic.pipeline.planner import PlannerConfig
     from jobs.common import parse
-    config = parse("charlm", {"model": CharLMConfig, "pipeline": PipelineConfig}, argv,
-                   flags=PIPELINE_FLAGS)
+    return parse("charlm", {"model": CharLMConfig, "pipeline": PipelineConfig,
+                            "planner": PlannerConfig}, argv, flags=PIPELINE_FLAGS)
+
+
+def pipeline_job(argv: list[str] | None = None) -> tuple:
+    """(job, train, pipeline, planner configs) from a command line (for ``regatta plan``)."""
+    config = parse_config(argv)
+    return CharLMJob(config["model"]), config["train"], config["pipeline"], config["planner"]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    config = parse_config(argv)
     train, model, pipe = config["train"], config["model"], config["pipeline"]
     if pipe.pipelined:
         # Imported only here: an mpirun pipeline never initialises Horovod.
