@@ -37,6 +37,7 @@ class TrainConfig:
     db: str = "runs/regatta.db"     # SQLite metrics store shared by every run here
     ingest: str = ""                # dashboard URL; when set, metrics are POSTed there
     progress: bool = True           # tqdm bar on rank 0
+    stall_after: float = 5.0        # seconds without progress before a rank is a stall event
 
     def __post_init__(self) -> None:
         _require(self.steps > 0, f"train.steps must be > 0, got {self.steps}")
@@ -48,6 +49,7 @@ class TrainConfig:
         _require(self.checkpoint_every >= 0,
                  f"train.checkpoint_every must be >= 0, got {self.checkpoint_every}")
         _require(self.eval_every >= 0, f"train.eval_every must be >= 0, got {self.eval_every}")
+        _require(self.stall_after > 0, f"train.stall_after must be > 0, got {self.stall_after}")
 
     @property
     def checkpoint_path(self) -> Path:

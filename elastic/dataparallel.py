@@ -26,6 +26,7 @@ from .config import TrainConfig
 from .events import EventLog
 from .faults import FaultPlan
 from .job import Job
+from .liveness import Heartbeat
 from .sampler import global_batch, rank_share
 from .state import TrainState
 from .world import World
@@ -57,6 +58,7 @@ class Session:
     on_enter: list = field(default_factory=list)  # callbacks(session, state) on every (re)entry
     on_step: list = field(default_factory=list)   # callbacks(session, state, stats)
     bar: tqdm | None = None
+    heartbeat: Heartbeat = field(default_factory=Heartbeat)   # what lifelines announce
     entries: int = 0        # times this process entered the loop (1 + resets it lived through)
 
 
@@ -137,8 +139,10 @@ def train_step(state: TrainState, session: Session) -> StepStats:
     session.faults.after_compute(world, state.step, data_done)
     compute_done = time.perf_counter()
 
+    session.heartbeat.enter_collective(state.step, time.time())
     reduced = allreduce_step(state.model, loss_value, count, drain_host_updates(state),
                              compute_done - started, world)
+    session.heartbeat.leave_collective(state.step + 1)
     comm_done = time.perf_counter()
     state.optimizer.step()
     state.cursor = state.cursor.advance(len(step_indices), dataset_size)

@@ -20,12 +20,17 @@ from __future__ import annotations
 import os
 import select
 import socket
+import struct
 import threading
 import time
 
 import psutil
 
-BYE = b"B"
+from .liveness import Heartbeat, StallWatch
+
+MESSAGE = struct.Struct("!cB2xI")   # kind, waiting flag, step: fixed size, easy framing
+PROGRESS, BYE = b"P", b"B"
+HEARTBEAT_S = 0.5
 
 
 def established() -> set[tuple[int, tuple, tuple]]:
@@ -94,12 +99,17 @@ def host_address(host: str) -> str:
 class Lifeline:
     """One generation's mesh of lifelines and the watchdog thread that reads them."""
 
-    def __init__(self, hvd, world, gloo: list, on_death) -> None:
-        self.world, self.gloo, self.on_death = world, gloo, on_death
+    def __init__(self, hvd, world, gloo: list, on_death, heartbeat: Heartbeat,
+                 on_stall=None, stall_after: float = 5.0) -> None:
+        self.world, self.gloo, self.on_death, self.on_stall = world, gloo, on_death, on_stall
+        self.heartbeat, self.watch = heartbeat, StallWatch(stall_after)
         self._armed = threading.Event()
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
         self.peers: dict[socket.socket, int] = {}
+        self.hosts: list[str] = []
+        self._buffers: dict[socket.socket, bytes] = {}
+        self._reported: set[int] = set()
         self.address = host_address(world.host)
         self._connect(hvd)
         self._armed.set()
@@ -108,11 +118,12 @@ class Lifeline:
 
     def _connect(self, hvd) -> None:
         listener = socket.create_server((self.address, 0), backlog=self.world.size)
-        address = (self.address, listener.getsockname()[1])
-        addresses = hvd.allgather_object(address, name="regatta.lifeline")
-        for rank, peer in enumerate(addresses):   # lower rank dials the higher one
+        mine = (self.address, listener.getsockname()[1], self.world.host)
+        everyone = hvd.allgather_object(mine, name="regatta.lifeline")
+        self.hosts = [host for _, _, host in everyone]
+        for rank, (address, port, _) in enumerate(everyone):   # lower rank dials higher
             if rank > self.world.rank:
-                sock = socket.create_connection(peer, timeout=30)
+                sock = socket.create_connection((address, port), timeout=30)
                 sock.sendall(self.world.rank.to_bytes(4, "big"))
                 self.peers[sock] = rank
         listener.settimeout(30)
@@ -120,26 +131,73 @@ class Lifeline:
             sock, _ = listener.accept()
             self.peers[sock] = int.from_bytes(sock.recv(4, socket.MSG_WAITALL), "big")
         listener.close()
-        for sock in self.peers:
+        now = time.time()
+        for sock, rank in self.peers.items():
             sock.settimeout(None)
             _keepalive(sock)
+            self.watch.heard(rank, 0, False, now)
 
     def _watch(self) -> None:
+        next_beat = 0.0
         while not self._stop.is_set() and self.peers:
-            readable, _, _ = select.select([self._wake_r, *self.peers], [], [])
+            readable, _, _ = select.select([self._wake_r, *self.peers], [], [], HEARTBEAT_S / 2)
+            if self._stop.is_set():
+                return
             for sock in readable:
-                if sock == self._wake_r or self._stop.is_set():
-                    return
-                try:
-                    data = sock.recv(1)
-                except OSError:
-                    data = b""
-                rank = self.peers.pop(sock)
-                sock.close()
-                if data != BYE and self._armed.is_set():
-                    self._armed.clear()
-                    severed = sever(self.gloo)
-                    self.on_death(rank, severed, time.time())
+                if sock != self._wake_r:
+                    self._read(sock)
+            now = time.time()
+            if now >= next_beat:
+                self._send(PROGRESS)
+                next_beat = now + HEARTBEAT_S
+                self._check_stalls(now)
+
+    def _read(self, sock: socket.socket) -> None:
+        try:
+            data = sock.recv(4096)
+        except OSError:
+            data = b""
+        if not data:
+            return self._lost(sock, goodbye=False)
+        buffer = self._buffers.get(sock, b"") + data
+        while len(buffer) >= MESSAGE.size:
+            kind, waiting, step = MESSAGE.unpack(buffer[:MESSAGE.size])
+            buffer = buffer[MESSAGE.size:]
+            if kind == BYE:
+                return self._lost(sock, goodbye=True)
+            self.watch.heard(self.peers[sock], step, bool(waiting), time.time())
+        self._buffers[sock] = buffer
+
+    def _lost(self, sock: socket.socket, goodbye: bool) -> None:
+        rank = self.peers.pop(sock)
+        self._buffers.pop(sock, None)
+        self.watch.peers.pop(rank, None)
+        sock.close()
+        if not goodbye and self._armed.is_set():
+            self._armed.clear()
+            severed = sever(self.gloo)
+            self.on_death(rank, self.hosts[rank], severed, time.time())
+
+    def _send(self, kind: bytes) -> None:
+        beat = self.heartbeat
+        message = MESSAGE.pack(kind, beat.waiting, beat.step)
+        for sock in list(self.peers):
+            try:
+                sock.sendall(message)
+            except OSError:
+                pass   # a dead peer shows up as EOF on the read side
+
+    def _check_stalls(self, now: float) -> None:
+        new, cleared = self.watch.check(self.heartbeat, now)
+        if self.on_stall is None or not self._armed.is_set():
+            return
+        if self.watch.i_report(self.world.rank):
+            for rank, reason, seconds in new:
+                self._reported.add(rank)
+                self.on_stall("stall", rank, self.hosts[rank], reason=reason, silent_s=seconds)
+        for rank in set(cleared) & self._reported:   # whoever reported a stall clears it
+            self._reported.discard(rank)
+            self.on_stall("stall_cleared", rank, self.hosts[rank])
 
     def disarm(self) -> None:
         """Membership is changing on purpose: a closing lifeline means nothing now."""
@@ -150,13 +208,10 @@ class Lifeline:
         self._stop.set()
         os.write(self._wake_w, b"x")
         self._thread.join(timeout=1)
+        if goodbye:
+            self._send(BYE)
         for sock in list(self.peers):
-            try:
-                if goodbye:
-                    sock.sendall(BYE)
-                sock.close()
-            except OSError:
-                pass
+            sock.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
 
@@ -164,8 +219,8 @@ class Lifeline:
 class FastRecovery:
     """Glue for the training loop: which sockets are Gloo's, and the current lifeline."""
 
-    def __init__(self, events) -> None:
-        self.events = events
+    def __init__(self, events, heartbeat: Heartbeat, stall_after: float = 5.0) -> None:
+        self.events, self.heartbeat, self.stall_after = events, heartbeat, stall_after
         self.baseline = ConnectionBaseline()
         self.lifeline: Lifeline | None = None
 
@@ -180,11 +235,16 @@ class FastRecovery:
         if self.lifeline is not None:
             self.lifeline.close()
         gloo = self.baseline.gloo_connections(exclude_fds=set())
-        self.lifeline = Lifeline(hvd, world, gloo, self._on_death)
+        self.lifeline = Lifeline(hvd, world, gloo, self._on_death, self.heartbeat,
+                                 self._on_stall, self.stall_after)
         self.events.record("lifeline", None, peers=len(self.lifeline.peers), gloo_sockets=len(gloo))
 
-    def _on_death(self, rank: int, severed: int, when: float) -> None:
-        self.events.record("peer_lost", None, peer_rank=rank, severed=severed)
+    def _on_death(self, rank: int, host: str, severed: int, when: float) -> None:
+        self.events.record("peer_lost", self.heartbeat.step, peer_rank=rank, target=host,
+                           severed=severed)
+
+    def _on_stall(self, kind: str, rank: int, host: str, **detail) -> None:
+        self.events.record(kind, self.heartbeat.step, stalled_rank=rank, target=host, **detail)
 
     def close(self) -> None:
         if self.lifeline is not None:

@@ -23,6 +23,7 @@ from .faults import FaultPlan
 from .job import Job
 from .state import TrainState
 from .lifeline import FastRecovery
+from .liveness import Heartbeat
 from .metrics import StepReporter, open_sink, run_id_for
 from .world import World, launched_elastic, launcher_host_name
 
@@ -34,7 +35,9 @@ def run(job: Job, cfg: TrainConfig, on_step: list | None = None) -> dict:
     events = EventLog(run_dir, launcher_host_name(), int(os.environ.get("HOROVOD_LOCAL_RANK", 0)),
                       sink=sink, run_id=run_id)
     elastic = launched_elastic()
-    recovery = FastRecovery(events) if elastic and os.environ.get("REGATTA_FAST_RECOVERY", "1") == "1" else None
+    heartbeat = Heartbeat()
+    recovery = FastRecovery(events, heartbeat, cfg.stall_after) \
+        if elastic and os.environ.get("REGATTA_FAST_RECOVERY", "1") == "1" else None
     if recovery:
         recovery.before_init()
     init_started = time.time()
@@ -53,7 +56,8 @@ def run(job: Job, cfg: TrainConfig, on_step: list | None = None) -> dict:
     if world.is_root:
         state.resume_from_checkpoint()
     session = Session(job=job, cfg=cfg, data=job.train_data(), events=events,
-                      faults=FaultPlan.from_env(), world=world, on_step=list(on_step or []))
+                      faults=FaultPlan.from_env(), world=world, on_step=list(on_step or []),
+                      heartbeat=heartbeat)
     session.on_step.append(_progress_reporter(run_dir, cfg))
     session.on_enter.append(_rebuild_world)
     reporter = StepReporter(sink, run_id, world.host)

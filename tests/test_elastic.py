@@ -122,6 +122,12 @@ def test_stalled_rank_is_not_declared_dead_and_healthy_run_never_resets(tmp_path
     commits = [e for e in kinds(report, "commit") if e["rank"] == 0]
     gaps = [b["wall_time"] - a["wall_time"] for a, b in zip(commits, commits[1:])]
     assert max(gaps) >= 10     # the stall really happened
+    # ...and was reported as a stall of that host, once, then cleared when it moved on.
+    (stall,) = kinds(report, "stall")
+    (cleared,) = kinds(report, "stall_cleared")
+    assert stall["target"] == cleared["target"] == "127.0.0.3"
+    assert stall["reason"] == "no progress" and stall["silent_s"] >= 5
+    assert stall["step"] == 300 and 5 <= cleared["wall_time"] - stall["wall_time"] <= 7
 
 
 def _progress(run_dir):

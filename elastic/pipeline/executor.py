@@ -12,6 +12,11 @@ travel back with the shape of the activation they belong to, which both sides kn
 Measured per step (StageStats): busy (forward+backward compute), receive and send waits,
 bytes sent, the peak bytes of autograd-saved activations held, and the bubble fraction
 ``1 - busy / step_time``.
+
+Device: the stage computes on its module's device (or ``device``). Received activations
+and gradients land in buffers allocated there; headers stay on the CPU. On CUDA, forward
+and backward end with a device synchronize so that busy time is compute time, not the
+time to queue kernels (the bubble would otherwise read as idle GPU work).
 """
 from __future__ import annotations
 
@@ -52,9 +57,21 @@ class StageStats:
         return 1.0 - self.busy_time / self.step_time if self.step_time > 0 else 0.0
 
 
+def module_device(module: nn.Module) -> torch.device:
+    """The device of a module's first parameter or buffer; CPU for a module with neither."""
+    for tensor in module.parameters():
+        return tensor.device
+    for tensor in module.buffers():
+        return tensor.device
+    return torch.device("cpu")
+
+
 class StageExecutor:
-    def __init__(self, module: nn.Module, grid: Grid, transport: Transport, loss_fn=None):
+    def __init__(self, module: nn.Module, grid: Grid, transport: Transport, loss_fn=None,
+                 device: torch.device | None = None):
         self.module, self.grid, self.transport, self.loss_fn = module, grid, transport, loss_fn
+        self.device = torch.device(device) if device is not None else module_device(module)
+        self._cuda = self.device.type == "cuda"
         self.in_shape: tuple | None = None     # (dtype, shape) of activations received
         self.out_shape: tuple | None = None    # (dtype, shape) of activations sent
         self._param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
@@ -71,7 +88,7 @@ class StageExecutor:
         self._posted: dict[tuple, Handle] = {}
         self._sends: list[Handle] = []
         self._saved, self._held = defaultdict(int), 0
-        self._loss = torch.zeros(())
+        self._loss = torch.zeros((), device=self.device)
         started = time.perf_counter()
         for index, action in enumerate(actions):
             getattr(self, "_" + action.kind)(action.microbatch, actions, index)
@@ -95,6 +112,7 @@ class StageExecutor:
                 loss = self.loss_fn(out, self._targets[i])
                 self._loss = self._loss + loss.detach()
                 out = loss * self._scale
+        self._sync()
         self._out[i] = out
         self._held += self._saved[i]
         self.stats.peak_activation_bytes = max(self.stats.peak_activation_bytes, self._held)
@@ -105,6 +123,7 @@ class StageExecutor:
         grad = None if self.grid.is_last else self._grad_in.pop(i)
         started = time.perf_counter()
         torch.autograd.backward(out, grad)
+        self._sync()
         self.stats.busy_time += time.perf_counter() - started
         self._held -= self._saved.pop(i)
         if not self.grid.is_first:
@@ -150,7 +169,7 @@ class StageExecutor:
         else:
             dtype, shape = self.out_shape
             peer = self.grid.next_rank
-        buffer = torch.empty(shape, dtype=dtype)
+        buffer = torch.empty(shape, dtype=dtype, device=self.device)
         self._posted[key] = self.transport.irecv(buffer, peer, tag(kind, i))
 
     def _receive(self, key: tuple, actions, index) -> torch.Tensor:
@@ -163,6 +182,10 @@ class StageExecutor:
         tensor = self._posted.pop(key).wait()
         self.stats.recv_wait += time.perf_counter() - started
         return tensor
+
+    def _sync(self) -> None:
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
 
     def _packer(self, i: int):
         def pack(t: torch.Tensor) -> torch.Tensor:

@@ -5,15 +5,22 @@ peers in one flat buffer.
 The last stage scales every microbatch's summed loss by 1 / (the whole step's loss-term
 count over all replicas) before backward, so after the sum over replicas each gradient
 is exactly the combined batch's mean gradient, as the single-process model computes it.
+
+A stage lives on one device (``stage_device``): CPU unless asked, else the rank's GPU. Its
+module, its microbatches and the buffers its activations and gradients arrive in are
+there; the transport moves device tensors (transport.py).
 """
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from typing import Protocol
 
 import torch
 from torch import nn
+
+from elastic.config import ConfigError
 
 from .config import Plan
 from .executor import StageExecutor, StageStats
@@ -37,6 +44,47 @@ class PipelineJob(Protocol):
     def evaluate(self, model: nn.Module) -> dict[str, float]: ...
 
 
+LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "HOROVOD_LOCAL_RANK", "LOCAL_RANK",
+                   "MPI_LOCALRANKID", "SLURM_LOCALID")
+
+
+def launcher_local_rank() -> int:
+    """This process's index among the ranks on its machine, as the launcher set it (0 if none)."""
+    for name in LOCAL_RANK_VARS:
+        if os.environ.get(name, "").strip().isdigit():
+            return int(os.environ[name])
+    return 0
+
+
+def stage_device(request: str | None = None, local_rank: int | None = None) -> torch.device:
+    """Where a stage lives. ``request``: ``cpu``, ``cuda`` (the rank's GPU), ``cuda:N``, or
+    ``auto`` (cuda when available, else cpu); None reads ``REGATTA_DEVICE``, and without it
+    the stage stays on the CPU, so no run changes device unasked. The rank's GPU is
+    ``cuda:<local_rank % device count>``, local_rank from the launcher's environment when
+    not given."""
+    text = (request or os.environ.get("REGATTA_DEVICE") or "cpu").strip().lower()
+    if text == "auto":
+        text = "cuda" if torch.cuda.is_available() else "cpu"
+    if text == "cpu":
+        return torch.device("cpu")
+    if text == "cuda" or text.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"pipeline device {text!r} asked for, but torch {torch.__version__} "
+                              f"sees no CUDA device; use cpu or auto")
+        if text != "cuda":
+            try:
+                index = int(text.split(":", 1)[1])
+            except ValueError:
+                raise ConfigError(f"pipeline device {text!r}: expected cuda:N") from None
+            if not 0 <= index < torch.cuda.device_count():
+                raise ConfigError(f"pipeline device {text!r}, but only "
+                                  f"{torch.cuda.device_count()} CUDA devices are visible")
+            return torch.device("cuda", index)
+        rank = launcher_local_rank() if local_rank is None else local_rank
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    raise ConfigError(f"pipeline device must be cpu, cuda, cuda:N or auto, got {text!r}")
+
+
 def split(batch: tuple, microbatches: int) -> list[tuple]:
     """``microbatches`` equal consecutive slices of every tensor of ``batch``."""
     n = len(batch[0])
@@ -48,15 +96,22 @@ def split(batch: tuple, microbatches: int) -> list[tuple]:
 
 class PipelineStage:
     def __init__(self, job: PipelineJob, plan: Plan, grid: Grid, transport: Transport,
-                 module: nn.Module):
+                 module: nn.Module, device: torch.device | str | None = None):
+        """Moves ``module`` to ``device`` (a torch.device, or a ``stage_device`` request;
+        None: ``REGATTA_DEVICE``, default cpu). Build the optimizer after this."""
+        self.device = device if isinstance(device, torch.device) else stage_device(device)
+        module.to(self.device)
         self.job, self.plan, self.grid, self.transport, self.module = job, plan, grid, transport, module
         self.executor = StageExecutor(module, grid, transport,
-                                      loss_fn=lambda out, mb: job.pipeline_loss(out, mb))
+                                      loss_fn=lambda out, mb: job.pipeline_loss(out, mb),
+                                      device=self.device)
         self.actions = make_schedule(plan.schedule, grid.stage, plan.pp, plan.microbatches)
 
     def forward_backward(self, batch: tuple | None, global_count: int) -> StageStats:
         """Accumulate this stage's share of the step's gradients. ``batch`` is this
-        replica's share (needed only by the first and last stage)."""
+        replica's share (needed only by the first and last stage), on any device."""
+        if batch is not None:
+            batch = tuple(t.to(self.device) for t in batch)   # one copy, then sliced there
         micro = split(batch, self.plan.microbatches) if batch is not None else None
         inputs = [self.job.pipeline_input(mb) for mb in micro] if self.grid.is_first else None
         targets = micro if self.grid.is_last else None
@@ -68,7 +123,8 @@ class PipelineStage:
         started = time.perf_counter()
         params = [p for p in self.module.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        extra = [torch.tensor([stats.loss_sum], dtype=torch.float32)] if self.grid.is_last else []
+        extra = ([torch.tensor([stats.loss_sum], dtype=torch.float32, device=self.device)]
+                 if self.grid.is_last else [])
         flat = torch.cat([g.reshape(-1).float() for g in grads] + extra)
         self.transport.allreduce_dp(flat)
         offset = 0

@@ -28,6 +28,8 @@ from . import checkpoint as ckpt
 from .config import Plan, PipelineConfig, make_plan
 from .grid import Grid, cut
 from .metrics import StepMetrics
+from .planner import PlannerConfig
+from .rebalance import Balancer
 from .stage import PipelineJob, PipelineStage, parameter_hash
 from .transport import Transport, make_transport
 
@@ -154,14 +156,17 @@ def save_checkpoint(run: Run) -> None:
 
 
 def run_pipeline(job: PipelineJob, train: TrainConfig, pipe: PipelineConfig,
-                 on_metrics=None, world: World | None = None) -> dict:
-    """Train ``job`` to ``train.steps``; ``on_metrics(dict)`` gets every step's metrics."""
+                 on_metrics=None, world: World | None = None,
+                 planner: PlannerConfig | None = None) -> dict:
+    """Train ``job`` to ``train.steps``; ``on_metrics(dict)`` gets every step's metrics;
+    ``planner.rebalance`` moves stage boundaries from measured stage times (rebalance.py)."""
     world = world or world_from_launcher()
     Path(train.run_dir).mkdir(parents=True, exist_ok=True)
     _share_cores(world)
     run = setup(job, train, pipe, world)
     if on_metrics is not None:
         run.on_metrics.append(on_metrics)
+    balancer = Balancer(run, planner or PlannerConfig())
     data = job.train_data()
     every = train.commit_every * train.checkpoint_every
     run.events.record("ready", run.step)
@@ -170,6 +175,7 @@ def run_pipeline(job: PipelineJob, train: TrainConfig, pipe: PipelineConfig,
         for callback in run.on_metrics:
             callback(metrics.as_dict())
         _report(run)
+        balancer.after_step(run, metrics)
         if every and run.step % every == 0 and run.step < train.steps:
             save_checkpoint(run)
     save_checkpoint(run)

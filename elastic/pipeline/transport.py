@@ -10,6 +10,21 @@ Both wait by polling with a short sleep instead of blocking inside the library: 
 busy-spins in ``Wait``, and with several ranks per core (CI, laptops) a spinning stage
 steals the CPU from the stage it is waiting for. The sleep is capped at ``poll_cap_s``.
 Pickling is used only off the hot path (``gather_object`` at the end of a run).
+
+Device tensors (a stage on CUDA, see stage.py) go through host buffers unless the library
+reads and writes that device's memory itself (``direct_devices``): a send copies the
+tensor into a pinned CPU buffer and sends that; a receive lands in a pinned buffer and is
+copied into the device tensor when waited on; ``allreduce_dp`` sums a host copy. The same
+bytes travel either way, so results do not depend on the path.
+
+* MPI sends CUDA memory directly only when the library says it is CUDA-aware
+  (``mpi_cuda_aware``); otherwise it stages.
+* The torch.distributed group stays Gloo and stages. NCCL was not chosen: it ignores
+  message tags, which the executor uses to match early-posted receives; it needs one GPU
+  per rank (two stages sharing a GPU, as on a one-GPU machine or with more slots than
+  GPUs, is an error); and it would be a second communicator to rebuild on every elastic
+  reset. The cost is one device/host copy per message on each side, small next to a
+  stage's compute at the activation sizes a pipeline moves.
 """
 from __future__ import annotations
 
@@ -63,15 +78,66 @@ class _GlooHandle(Handle):
         return self.tensor
 
 
+class _Staged(Handle):
+    """A send or receive of a device tensor through the host buffer ``inner`` moves; a
+    receive copies the buffer into the device tensor once, when waited on."""
+
+    def __init__(self, inner: Handle, tensor: torch.Tensor, receive: bool):
+        self.inner, self.tensor, self._receive, self._copied = inner, tensor, receive, False
+
+    def test(self) -> bool:
+        return self.inner.test()
+
+    def wait(self) -> torch.Tensor:
+        host = self.inner.wait()
+        if self._receive and not self._copied:
+            # Pinned -> device is asynchronous on the current stream, which every later
+            # use of the tensor also runs on; torch keeps the pinned block until it is done.
+            self.tensor.copy_(host, non_blocking=host.is_pinned())
+            self._copied = True
+        return self.tensor
+
+
+def host_buffer(tensor: torch.Tensor) -> torch.Tensor:
+    """An empty CPU tensor shaped like ``tensor``, pinned when ``tensor`` is on CUDA."""
+    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+
+
 class Transport:
     """What a stage needs from the network. ``dp_peers`` are the world ranks of this
-    stage in every replica, identical on all of them."""
+    stage in every replica, identical on all of them. Subclasses move tensors the library
+    can address (``direct_devices``); this class stages the others through host memory."""
     rank: int
     size: int
+    direct_devices: frozenset = frozenset({"cpu"})   # empty: stage everything (tests)
 
-    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle: ...
-    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle: ...
-    def allreduce_dp(self, flat: torch.Tensor) -> None: """In-place sum over dp peers."""
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle:
+        if self._direct(tensor):
+            return self._isend(tensor, peer, tag)
+        host = host_buffer(tensor)
+        host.copy_(tensor)            # synchronous: the buffer is complete before it is sent
+        return _Staged(self._isend(host, peer, tag), tensor, receive=False)
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle:
+        if self._direct(tensor):
+            return self._irecv(tensor, peer, tag)
+        return _Staged(self._irecv(host_buffer(tensor), peer, tag), tensor, receive=True)
+
+    def allreduce_dp(self, flat: torch.Tensor) -> None:
+        """In-place sum over dp peers."""
+        if self._direct(flat):
+            return self._allreduce_dp(flat)
+        host = host_buffer(flat)
+        host.copy_(flat)
+        self._allreduce_dp(host)
+        flat.copy_(host)
+
+    def _direct(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type in self.direct_devices
+
+    def _isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle: ...
+    def _irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle: ...
+    def _allreduce_dp(self, flat: torch.Tensor) -> None: ...
     def gather_object(self, obj, root: int = 0) -> list | None: ...
     def barrier(self) -> None: ...
     def close(self) -> None: ...
@@ -80,7 +146,34 @@ class Transport:
 def _bytes(tensor: torch.Tensor):
     if not tensor.is_contiguous():
         raise ValueError("transport buffers must be contiguous")
-    return tensor.view(torch.uint8).reshape(-1).numpy()
+    flat = tensor.view(torch.uint8).reshape(-1)
+    if flat.is_cuda:
+        # CUDA-aware MPI reads the memory through __cuda_array_interface__, outside torch's
+        # stream order: finish the kernels that write it (or last used a reused block).
+        torch.cuda.current_stream(flat.device).synchronize()
+        return flat
+    return flat.numpy()
+
+
+def mpi_cuda_aware(comm) -> bool:
+    """Whether this MPI moves CUDA memory itself: ``REGATTA_MPI_CUDA_AWARE=0|1`` if set,
+    else what the library reports (``Query_cuda_support`` where mpi4py exposes Open MPI's
+    MPIX extension, or ``cuda`` among the MPI 4.1 ``mpi_memory_alloc_kinds``), else no."""
+    forced = os.environ.get("REGATTA_MPI_CUDA_AWARE", "").strip()
+    if forced:
+        return forced.lower() in ("1", "true", "yes")
+    from mpi4py import MPI
+    query = getattr(MPI, "Query_cuda_support", None)
+    if query is not None:
+        try:
+            return bool(query())
+        except Exception:  # noqa: BLE001 - an MPI without the extension
+            pass
+    try:
+        kinds = comm.Get_info().Get("mpi_memory_alloc_kinds") or ""
+    except Exception:  # noqa: BLE001 - MPI < 4.1
+        kinds = ""
+    return "cuda" in kinds
 
 
 class MpiTransport(Transport):
@@ -92,21 +185,26 @@ class MpiTransport(Transport):
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.dp_comm = self.comm.Split(color=dp_color, key=dp_key)
         self._cap = poll_cap_s
+        if torch.cuda.is_available() and mpi_cuda_aware(self.comm):
+            self.direct_devices = frozenset({"cpu", "cuda"})
 
-    def isend(self, tensor, peer, tag):
+    def _isend(self, tensor, peer, tag):
         return Handle(self.comm.Isend([_bytes(tensor), self._mpi.BYTE], dest=peer, tag=tag),
                       tensor, self._cap)
 
-    def irecv(self, tensor, peer, tag):
+    def _irecv(self, tensor, peer, tag):
         return Handle(self.comm.Irecv([_bytes(tensor), self._mpi.BYTE], source=peer, tag=tag),
                       tensor, self._cap)
 
-    def allreduce_dp(self, flat):
+    def _allreduce_dp(self, flat):
         if self.dp_comm.Get_size() == 1:
             return
         if flat.dtype != torch.float32:
             raise TypeError(f"allreduce_dp sums float32 buffers, got {flat.dtype}")
-        request = self.dp_comm.Iallreduce(self._mpi.IN_PLACE, [flat.numpy(), self._mpi.FLOAT],
+        if flat.is_cuda:
+            torch.cuda.current_stream(flat.device).synchronize()
+        request = self.dp_comm.Iallreduce(self._mpi.IN_PLACE,
+                                          [flat if flat.is_cuda else flat.numpy(), self._mpi.FLOAT],
                                           op=self._mpi.SUM)
         poll(request.Test, self._cap)
 
@@ -134,13 +232,13 @@ class GlooTransport(Transport):
         groups = [dist.new_group(ranks) for ranks in stage_groups]
         self.dp_group, self.dp_size = groups[my_group], len(stage_groups[my_group])
 
-    def isend(self, tensor, peer, tag):
+    def _isend(self, tensor, peer, tag):
         return _GlooHandle(self._dist.isend(tensor, peer, tag=tag), tensor, POLL_CAP_S)
 
-    def irecv(self, tensor, peer, tag):
+    def _irecv(self, tensor, peer, tag):
         return _GlooHandle(self._dist.irecv(tensor, peer, tag=tag), tensor, POLL_CAP_S)
 
-    def allreduce_dp(self, flat):
+    def _allreduce_dp(self, flat):
         if self.dp_size > 1:
             self._dist.all_reduce(flat, group=self.dp_group)
 
