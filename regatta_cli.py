@@ -20,7 +20,7 @@ def _local_parser(sub) -> None:
     p.add_argument("--hosts", type=int, default=2)
     p.add_argument("--slots", type=int, default=1)
     p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--commit-every", type=int, default=10)
+    p.add_argument("--commit-every", default="10", help="steps, or 'auto' (Young/Daly)")
     p.add_argument("--kill", action="append", default=[], metavar="HOST@STEP",
                    help="SIGKILL the workers of HOST (name or 1-based number) at STEP")
     p.add_argument("--add", action="append", default=[], metavar="HOST@STEP",

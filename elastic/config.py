@@ -28,7 +28,7 @@ class TrainConfig:
     global_batch: int = 64          # samples per optimizer step, split across ranks
     lr: float = 1e-3
     optimizer: str = "adam"         # adam | sgd
-    commit_every: int = 10          # steps between in-memory commits
+    commit_every: int | str = 10    # steps between in-memory commits, or "auto" (Young/Daly)
     checkpoint_every: int = 5       # commits between durable checkpoints (0: never)
     checkpoint_dir: str = ""        # "" -> <run_dir>/checkpoint
     eval_every: int = 0             # steps between evaluations on rank 0 (0: only at end)
@@ -45,11 +45,18 @@ class TrainConfig:
         _require(self.lr > 0, f"train.lr must be > 0, got {self.lr}")
         _require(self.optimizer in ("adam", "sgd"),
                  f"train.optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
-        _require(self.commit_every > 0, f"train.commit_every must be > 0, got {self.commit_every}")
+        _require(self.commit_every == "auto" or (isinstance(self.commit_every, int)
+                                                  and self.commit_every > 0),
+                 f"train.commit_every must be a positive integer or 'auto', got {self.commit_every!r}")
         _require(self.checkpoint_every >= 0,
                  f"train.checkpoint_every must be >= 0, got {self.checkpoint_every}")
         _require(self.eval_every >= 0, f"train.eval_every must be >= 0, got {self.eval_every}")
         _require(self.stall_after > 0, f"train.stall_after must be > 0, got {self.stall_after}")
+
+    @property
+    def fixed_commit_every(self) -> int | None:
+        """The commit interval, or None when it is chosen at run time ("auto")."""
+        return None if self.commit_every == "auto" else int(self.commit_every)
 
     @property
     def checkpoint_path(self) -> Path:
@@ -59,6 +66,9 @@ class TrainConfig:
 
 def _coerce(value: typing.Any, kind: typing.Any, where: str) -> typing.Any:
     """Convert a TOML or command-line value to the field's type, or say why not."""
+    if kind == (int | str):   # a count or a keyword such as "auto"
+        text = str(value).strip()
+        return int(text) if text.lstrip("-").isdigit() else value
     if kind is bool:
         if isinstance(value, bool):
             return value

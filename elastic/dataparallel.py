@@ -22,6 +22,7 @@ from horovod.common.exceptions import HostsUpdatedInterrupt
 from horovod.runner.elastic.worker import HostUpdateResult
 from tqdm import tqdm
 
+from .commit_policy import CommitPolicy
 from .config import TrainConfig
 from .events import EventLog
 from .faults import FaultPlan
@@ -44,6 +45,7 @@ class StepStats:
     bytes_sent: int
     host_update: int = 0   # HostUpdateResult flags agreed by all ranks
     arrivals: list = field(default_factory=list)   # every rank's data+compute seconds
+    commit: bool = False   # every rank commits after this step (rank 0's vote)
 
 
 @dataclass
@@ -59,6 +61,7 @@ class Session:
     on_step: list = field(default_factory=list)   # callbacks(session, state, stats)
     bar: tqdm | None = None
     heartbeat: Heartbeat = field(default_factory=Heartbeat)   # what lifelines announce
+    commits: CommitPolicy = field(default_factory=lambda: CommitPolicy(fixed=10))
     entries: int = 0        # times this process entered the loop (1 + resets it lived through)
 
 
@@ -81,26 +84,30 @@ def drain_host_updates(state: TrainState) -> int:
     return int(update)
 
 
+HEADER = 5   # loss, count, removed, added, commit vote; then one arrival time per rank
+
+
 @dataclass
 class Reduced:
     loss: float           # mean loss over the global batch
     count: int            # samples (or tokens) in the global batch
     host_update: int      # HostUpdateResult flags any rank received
+    commit: bool          # rank 0 voted to commit after this step
     nbytes: int           # payload of the allreduce
     arrivals: list        # seconds each rank took from step start to the allreduce
 
 
 def allreduce_step(model, loss_sum: float, count: int, host_update: int, arrival: float,
-                   world: World) -> Reduced:
-    """Sum gradients, loss, count, host flags and per-rank arrival times in one fused
-    allreduce and leave mean gradients in ``.grad``."""
+                   world: World, commit_vote: bool = False) -> Reduced:
+    """Sum gradients, loss, count, host flags, rank 0's commit vote and per-rank arrival
+    times in one fused allreduce and leave mean gradients in ``.grad``."""
     params = [p for p in model.parameters() if p.requires_grad]
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    extras = torch.zeros(4 + world.size)
-    extras[:4] = torch.tensor([loss_sum, float(count),
-                               float(host_update & HostUpdateResult.removed),
-                               float(host_update & HostUpdateResult.added)])
-    extras[4 + world.rank] = arrival
+    extras = torch.zeros(HEADER + world.size)
+    extras[:HEADER] = torch.tensor([loss_sum, float(count),
+                                    float(host_update & HostUpdateResult.removed),
+                                    float(host_update & HostUpdateResult.added), float(commit_vote)])
+    extras[HEADER + world.rank] = arrival
     flat = torch.cat([g.reshape(-1) for g in grads] + [extras])
     if world.size > 1:
         hvd.allreduce_(flat, op=hvd.Sum, name="regatta.step")
@@ -114,7 +121,8 @@ def allreduce_step(model, loss_sum: float, count: int, host_update: int, arrival
     flags = (HostUpdateResult.removed if tail[2] > 0 else 0) | \
             (HostUpdateResult.added if tail[3] > 0 else 0)
     return Reduced(loss=tail[0] / max(total, 1), count=total, host_update=int(flags),
-                   nbytes=flat.numel() * flat.element_size(), arrivals=tail[4:])
+                   commit=tail[4] > 0, nbytes=flat.numel() * flat.element_size(),
+                   arrivals=tail[HEADER:])
 
 
 def train_step(state: TrainState, session: Session) -> StepStats:
@@ -140,8 +148,9 @@ def train_step(state: TrainState, session: Session) -> StepStats:
     compute_done = time.perf_counter()
 
     session.heartbeat.enter_collective(state.step, time.time())
+    vote = world.is_root and session.commits.due(state.step + 1)
     reduced = allreduce_step(state.model, loss_value, count, drain_host_updates(state),
-                             compute_done - started, world)
+                             compute_done - started, world, commit_vote=vote)
     session.heartbeat.leave_collective(state.step + 1)
     comm_done = time.perf_counter()
     state.optimizer.step()
@@ -153,13 +162,15 @@ def train_step(state: TrainState, session: Session) -> StepStats:
                      compute_time=compute_done - data_done,
                      comm_time=max(0.0, comm_done - compute_done - wait), wait_time=wait,
                      step_time=time.perf_counter() - started, bytes_sent=reduced.nbytes,
-                     host_update=reduced.host_update, arrivals=reduced.arrivals)
+                     host_update=reduced.host_update, arrivals=reduced.arrivals,
+                     commit=reduced.commit)
 
 
 def train_loop(state: TrainState, session: Session) -> None:
     """The body ``hvd.elastic.run`` re-enters after every reset."""
     cfg = session.cfg
     session.entries += 1
+    session.commits.entered(state.step)
     for callback in session.on_enter:
         callback(session, state)
     entered = True
@@ -172,12 +183,24 @@ def train_loop(state: TrainState, session: Session) -> None:
             entered = False
         for callback in session.on_step:
             callback(session, state, stats)
+        session.commits.observe_step(stats.step_time)
         if stats.host_update:
-            state.commit(reason="membership", loss=stats.loss)
+            commit(state, session, "membership", stats.loss)
             state.before_reset()
             raise HostsUpdatedInterrupt(stats.host_update == HostUpdateResult.removed)
-        if state.step % cfg.commit_every == 0 or state.step == cfg.steps:
-            state.commit(loss=stats.loss)
+        if stats.commit or state.step == cfg.steps:
+            commit(state, session, "periodic", stats.loss)
+
+
+def commit(state: TrainState, session: Session, reason: str, loss: float) -> None:
+    """Commit, and let the policy re-choose the interval from what the commit cost."""
+    cost = state.commit(reason=reason, loss=loss)
+    interval = session.commits.observe_commit(state.step, cost)
+    if interval is not None and session.world.is_root:
+        policy = session.commits
+        session.events.record("commit_interval", state.step, interval=interval,
+                              commit_cost_s=policy.commit_cost_s, step_time_s=policy.step_time_s,
+                              mtbf_s=policy.mtbf_s(), failures=policy.failures)
 
 
 def parameter_hash(model: torch.nn.Module) -> str:

@@ -16,6 +16,7 @@ import psutil
 import torch
 from tqdm import tqdm
 
+from .commit_policy import CommitPolicy
 from .config import TrainConfig
 from .dataparallel import Session, make_optimizer, parameter_hash, train_loop
 from .events import EventLog, Progress
@@ -57,7 +58,8 @@ def run(job: Job, cfg: TrainConfig, on_step: list | None = None) -> dict:
         state.resume_from_checkpoint()
     session = Session(job=job, cfg=cfg, data=job.train_data(), events=events,
                       faults=FaultPlan.from_env(), world=world, on_step=list(on_step or []),
-                      heartbeat=heartbeat)
+                      heartbeat=heartbeat, commits=CommitPolicy(fixed=cfg.fixed_commit_every))
+    state.restore_hooks.append(session.commits.observe_failure)
     session.on_step.append(_progress_reporter(run_dir, cfg))
     session.on_enter.append(_rebuild_world)
     reporter = StepReporter(sink, run_id, world.host)

@@ -31,6 +31,7 @@ class TrainState(hvd.elastic.TorchState):
         # Tests and audits ask for a parameter hash on every commit, restore and sync.
         self._audit = os.environ.get("REGATTA_AUDIT") == "1"
         self.before_reset_hooks: list = []   # run before Horovod re-initialises
+        self.restore_hooks: list = []        # run after a failure's restore
         self.restored_from: int | None = None  # step a failure interrupted, until re-entry
         self.interrupted_at: float | None = None  # when this membership change was noticed
         super().__init__(model=model, optimizer=optimizer, step=0, epoch=0, consumed=0)
@@ -50,7 +51,7 @@ class TrainState(hvd.elastic.TorchState):
         from .dataparallel import parameter_hash
         return {"param_hash": parameter_hash(self.model)}
 
-    def commit(self, reason: str = "periodic", loss: float | None = None) -> None:
+    def commit(self, reason: str = "periodic", loss: float | None = None) -> float:
         """Snapshot in memory (and to disk every N commits). Host updates are checked in
         the training step's own allreduce, so unlike Horovod's commit this is local."""
         started = time.perf_counter()
@@ -61,6 +62,7 @@ class TrainState(hvd.elastic.TorchState):
                             epoch=self.epoch, consumed=self.consumed, **self._audit_fields())
         if self._checkpoint_every and self._commits % self._checkpoint_every == 0:
             self.write_checkpoint()
+        return cost
 
     def before_reset(self) -> None:
         for hook in self.before_reset_hooks:
@@ -75,6 +77,8 @@ class TrainState(hvd.elastic.TorchState):
         self.optimizer.zero_grad(set_to_none=True)
         self._events.record("restore", self.step, from_step=failed_at,
                             steps_redone=failed_at - self.step, **self._audit_fields())
+        for hook in self.restore_hooks:
+            hook()
 
     def sync(self) -> None:
         started = time.perf_counter()

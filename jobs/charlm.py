@@ -168,7 +168,8 @@ def main(argv: list[str] | None = None) -> dict:
         reporter = PipelineReporter(train, "charlm")
         finished = False
         try:
-            result = run_pipeline(CharLMJob(model), train, pipe, on_metrics=reporter)
+            result = run_pipeline(CharLMJob(model), train, pipe, on_metrics=reporter,
+                                  planner=config["planner"])
             finished = True
             return result
         except ConfigError as err:   # the plan does not fit this world or model

@@ -8,7 +8,7 @@ from pathlib import Path
 from elastic.config import ConfigError, TrainConfig, load, parse_overrides
 
 # Flags that override [train] keys directly; anything else goes through --set.
-TRAIN_FLAGS = {"steps": int, "global_batch": int, "lr": float, "commit_every": int,
+TRAIN_FLAGS = {"steps": int, "global_batch": int, "lr": float, "commit_every": str,
                "checkpoint_every": int, "checkpoint_dir": str, "run_dir": str, "db": str,
                "ingest": str, "seed": int, "eval_every": int}
 

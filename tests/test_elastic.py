@@ -164,3 +164,25 @@ def test_whole_job_restart_resumes_from_disk_checkpoint(tmp_path):
     first_after = min(e["step"] for e in read_events(run_dir)
                       if e["kind"] == "commit" and e["wall_time"] > resumes[0]["wall_time"])
     assert first_after == saved["step"] + 10
+
+
+def test_auto_commit_interval_is_chosen_and_shared(tmp_path):
+    report = regatta_local(tmp_path, "digits", "--hosts", "2", "--steps", "400",
+                           "--commit-every", "auto", "--kill", "1@250")
+    assert report["exit_code"] == 0 and report["final_step"] == 400
+    choices = kinds(report, "commit_interval")
+    assert choices and all(c["rank"] == 0 for c in choices)
+    first = choices[0]
+    expected = max(round((2 * first["commit_cost_s"] * first["mtbf_s"]) ** 0.5 / first["step_time_s"]),
+                   -(-first["commit_cost_s"] // (0.01 * first["step_time_s"])))
+    assert first["interval"] == min(10_000, int(expected))
+    # Both ranks committed at exactly the same steps until the failure ...
+    failure = report["changes"][0]["wall_time"]
+    steps = {}
+    for e in kinds(report, "commit"):
+        if e["wall_time"] < failure:
+            steps.setdefault(e["host"], []).append(e["step"])
+    assert len(steps) == 2 and len({tuple(v) for v in steps.values()}) == 1
+    # ... so the survivor restored to the last of them.
+    (restore,) = kinds(report, "restore")
+    assert restore["step"] == max(next(iter(steps.values())))

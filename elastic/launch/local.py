@@ -37,7 +37,7 @@ class LocalPlan:
     hosts: int = 2
     slots: int = 1
     steps: int = 100
-    commit_every: int = 10
+    commit_every: int | str = 10
     kill: list[tuple[str, int]] = field(default_factory=list)
     add: list[tuple[str, int]] = field(default_factory=list)
     remove: list[tuple[str, int]] = field(default_factory=list)
@@ -55,8 +55,10 @@ class LocalPlan:
     def __post_init__(self) -> None:
         if self.hosts < 1 or self.slots < 1:
             raise PlanError(f"--hosts and --slots must be >= 1, got {self.hosts} and {self.slots}")
-        if self.steps < 1 or self.commit_every < 1:
-            raise PlanError(f"--steps and --commit-every must be >= 1, got {self.steps}, {self.commit_every}")
+        if self.steps < 1:
+            raise PlanError(f"--steps must be >= 1, got {self.steps}")
+        if self.commit_every != "auto" and not (str(self.commit_every).isdigit() and int(self.commit_every) > 0):
+            raise PlanError(f"--commit-every must be a positive integer or 'auto', got {self.commit_every!r}")
         for option, entries in (("--kill", self.kill), ("--add", self.add), ("--remove", self.remove)):
             for host, step in entries:
                 if not 0 < step < self.steps:

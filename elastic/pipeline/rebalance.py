@@ -24,14 +24,14 @@ new boundaries, the imbalance before, the predicted one after and the cost of th
 Every rank holds the whole model's state briefly during a move.
 
 ``REGATTA_SLOW_RANKS=RANK:FACTOR[,...]`` (or ``regatta local --slow``'s host factors)
-slows a rank: after every child's forward it sleeps (FACTOR - 1) x 3 x the forward time
-(backward costs about twice the forward), so its stage's busy time scales with its
-children, as on a slower machine.
+slows a rank: after every child's forward and backward it sleeps FACTOR - 1 times what
+that took, so its stage's busy time scales with its children, as on a slower machine.
 """
 from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import replace
 
 import torch
@@ -44,7 +44,9 @@ from .planner import PlannerConfig, measure_job, partition
 from .stage import PipelineStage
 
 SLOW_ENV = "REGATTA_SLOW_RANKS"
-FORWARD_SHARE = 3.0     # forward + backward ~ 3 x forward
+# A slowed first child whose input is token ids has its backward hook fire early (torch
+# warns each time); slow_down accounts for that, so the warning says nothing new.
+warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
 
 
 def slow_factor(rank: int, host: str) -> float:
@@ -58,20 +60,40 @@ def slow_factor(rank: int, host: str) -> float:
 
 
 def slow_down(module: nn.Module, factor: float) -> None:
-    """Make every child of ``module`` cost ``factor`` times as much (see module doc)."""
+    """Make every child of ``module`` take ``factor`` times as long, forward and backward,
+    by sleeping (factor - 1) x the time each just took (see module doc)."""
     if factor <= 1:
         return
     started = {}
 
-    def before(child, inputs):
-        started[id(child)] = time.perf_counter()
+    def stretch(key) -> None:
+        time.sleep((time.perf_counter() - started.pop(key)) * (factor - 1))
 
-    def after(child, inputs, output):
-        time.sleep((time.perf_counter() - started.pop(id(child))) * FORWARD_SHARE * (factor - 1))
+    def before_forward(child, inputs):
+        started["fwd", id(child)] = time.perf_counter()
+
+    def after_forward(child, inputs, output):
+        took = time.perf_counter() - started["fwd", id(child)]
+        stretch(("fwd", id(child)))
+        if not any(torch.is_tensor(x) and x.requires_grad for x in inputs):
+            # Its backward hook fires before its backward runs (no input gradient to
+            # wait for): stretch that backward here, as twice the forward.
+            time.sleep(2 * took * (factor - 1))
+
+    def before_backward(child, grad_output):
+        started["bwd", id(child)] = time.perf_counter()
+
+    def after_backward(child, grad_input, grad_output):
+        if any(g is not None for g in grad_input):
+            stretch(("bwd", id(child)))
+        else:
+            started.pop(("bwd", id(child)), None)
 
     for child in module.children():
-        child.register_forward_pre_hook(before)
-        child.register_forward_hook(after)
+        child.register_forward_pre_hook(before_forward)
+        child.register_forward_hook(after_forward)
+        child.register_full_backward_pre_hook(before_backward)
+        child.register_full_backward_hook(after_backward)
 
 
 def allgather_object(transport, obj) -> list:

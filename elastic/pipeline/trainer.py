@@ -168,7 +168,8 @@ def run_pipeline(job: PipelineJob, train: TrainConfig, pipe: PipelineConfig,
         run.on_metrics.append(on_metrics)
     balancer = Balancer(run, planner or PlannerConfig())
     data = job.train_data()
-    every = train.commit_every * train.checkpoint_every
+    # Pipelines checkpoint at a fixed cadence; "auto" is the elastic loop's (Young/Daly).
+    every = (train.fixed_commit_every or 10) * train.checkpoint_every
     run.events.record("ready", run.step)
     while run.step < train.steps:
         metrics = train_step(run, data)

@@ -1,0 +1,43 @@
+"""Commit interval: fixed, or chosen from measured cost and failure rate (Young/Daly)."""
+import math
+
+from elastic.commit_policy import CommitPolicy, young_daly_steps
+
+
+def test_young_daly_optimum_in_steps():
+    # sqrt(2 * 0.5 s * 3600 s) = 60 s of training = 600 steps of 0.1 s
+    assert young_daly_steps(0.5, 3600, 0.1) == 600
+    # fewer failures (longer MTBF) -> longer interval, by the square root
+    assert young_daly_steps(0.5, 4 * 3600, 0.1) == 1200
+
+
+def test_interval_never_costs_more_than_one_percent():
+    # Young/Daly alone would say sqrt(2*1*10)/0.01 = 447 steps, but a 1 s commit every
+    # 447 steps of 10 ms is 22 % overhead: the floor is 100 x cost / step time.
+    steps = young_daly_steps(1.0, 10, 0.01, max_overhead=0.01)
+    assert steps == 10_000 or steps >= 100 * 1.0 / 0.01
+    assert 1.0 / (steps * 0.01) <= 0.01 + 1e-9
+
+
+def test_fixed_policy_is_a_plain_interval():
+    policy = CommitPolicy(fixed=10)
+    policy.entered(70)            # restored to the commit at step 70
+    committed = []
+    for step in range(71, 100):
+        if policy.due(step):
+            committed.append(step)
+            assert policy.observe_commit(step, 0.5) is None   # fixed: never re-chosen
+    assert committed == [80, 90] and policy.interval == 10
+
+
+def test_auto_policy_adapts_to_cost_and_failures():
+    policy = CommitPolicy(fixed=None, prior_mtbf_s=3600)
+    for _ in range(20):
+        policy.observe_step(0.01)
+    chosen = policy.observe_commit(10, 0.002)
+    assert chosen == round(math.sqrt(2 * 0.002 * policy.mtbf_s()) / 0.01)
+    policy.observe_failure()
+    policy.observe_failure()
+    # three times the failure rate: the interval shrinks by about sqrt(3)
+    again = policy.observe_commit(20, 0.002)
+    assert again is not None and abs(chosen / again - math.sqrt(3)) < 0.05
