@@ -93,7 +93,7 @@ class _Staged(Handle):
         if self._receive and not self._copied:
             # Pinned -> device is asynchronous on the current stream, which every later
             # use of the tensor also runs on; torch keeps the pinned block until it is done.
-            pass
+            self.tensor.copy_(host, non_blocking=host.is_pinned())
             self._copied = True
         return self.tensor
 
