@@ -1,0 +1,122 @@
+"""Rebalancing in real mpirun processes: a slowed stage loses children, the measured stage
+imbalance falls, and training ends bit for bit where the static run ends.
+
+One 2-rank mpirun launch runs every case of RUNS in turn (pp = 2, charlm with 8 children);
+this file is also the worker:
+
+    PYTHONPATH=. mpirun -np 2 --oversubscribe python tests/test_pipeline_rebalance.py OUT_DIR
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from elastic.events import read_events  # noqa: E402
+
+STEPS = 36
+MODEL = dict(context=16, dim=32, heads=4, layers=8)      # 10 children: embed, 8 blocks, head
+# name: (boundaries, slowed rank 1 by this factor, rebalance)
+RUNS = {"static": ([0, 5], 3.0, False), "rebalanced": ([0, 5], 3.0, True),
+        "lopsided": ([0, 1], 1.0, True)}
+
+
+def worker(out: Path) -> None:
+    from elastic.config import TrainConfig
+    from elastic.pipeline.config import PipelineConfig
+    from elastic.pipeline.planner import PlannerConfig
+    from elastic.pipeline.rebalance import SLOW_ENV
+    from elastic.pipeline.trainer import run_pipeline, world_from_launcher
+    from jobs.charlm import CharLMConfig, CharLMJob
+    world = world_from_launcher()
+    job = CharLMJob(CharLMConfig(**MODEL))
+    for name, (boundaries, factor, rebalance) in RUNS.items():
+        os.environ[SLOW_ENV] = f"1:{factor}"
+        rows = []
+        train = TrainConfig(steps=STEPS, global_batch=16, lr=0.01, seed=5, progress=False,
+                            commit_every=STEPS, checkpoint_every=1, run_dir=str(out / name))
+        pipe = PipelineConfig(pp=2, microbatches=4, boundaries=boundaries, transport="mpi")
+        planner = PlannerConfig(rebalance=rebalance, rebalance_warmup=4, rebalance_window=4,
+                                rebalance_patience=2)
+        result = run_pipeline(job, train, pipe, on_metrics=rows.append, world=world,
+                              planner=planner)
+        (out / name / f"metrics-rank{world.rank}.json").write_text(json.dumps(rows))
+        (out / name / f"result-rank{world.rank}.json").write_text(json.dumps(result))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from conftest import run
+    out = tmp_path_factory.mktemp("rebalance")
+    run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "OMP_NUM_THREADS",
+         "-x", "PYTHONPATH", sys.executable, __file__, str(out)], timeout=360,
+        env={"PYTHONPATH": str(ROOT)})
+    return out
+
+
+def stage_busy(out: Path, name: str) -> dict[int, list[float]]:
+    """Step -> busy seconds of [stage 0, stage 1], from the metrics the trainer returned."""
+    rows = [r for rank in (0, 1)
+            for r in json.loads((out / name / f"metrics-rank{rank}.json").read_text())]
+    busy: dict[int, list[float]] = {}
+    for r in rows:
+        busy.setdefault(r["step"], [0.0, 0.0])[r["stage"]] = r["busy_time"]
+    return busy
+
+
+def imbalance(busy: dict[int, list[float]], steps) -> float:
+    """Median over ``steps`` of max / mean stage busy time."""
+    return statistics.median(max(busy[s]) / (sum(busy[s]) / 2) for s in steps)
+
+
+def moves(out: Path, name: str) -> list[dict]:
+    return [e for e in read_events(out / name) if e["kind"] == "rebalance" and e["rank"] == 0]
+
+
+pytestmark = pytest.mark.timeout(420)
+
+
+def test_slow_stage_loses_children_and_imbalance_falls(runs):
+    assert moves(runs, "static") == []
+    done = moves(runs, "rebalanced")
+    assert done, "no rebalance event"
+    first = done[0]
+    assert first["old"] == [0, 5] and first["new"][1] > 5     # the slowed stage 1 shrank
+    assert first["imbalance_before"] > 1.2 and first["imbalance_predicted"] < first["imbalance_before"]
+    assert first["stage_busy"][1] > first["stage_busy"][0]
+    busy, static = stage_busy(runs, "rebalanced"), stage_busy(runs, "static")
+    before = imbalance(busy, range(1, first["step"] + 1))
+    after = imbalance(busy, range(first["step"] + 2, STEPS + 1))
+    assert after < before and after < imbalance(static, range(first["step"] + 2, STEPS + 1))
+    ends = {e["rank"]: e for e in read_events(runs / "rebalanced") if e["kind"] == "rebalance"}
+    assert ends[0]["new"] == ends[1]["new"]       # every rank took the same decision
+
+
+def test_rebalanced_training_equals_static_training_bitwise(runs):
+    static = json.loads((runs / "static" / "result-rank0.json").read_text())
+    rebalanced = json.loads((runs / "rebalanced" / "result-rank0.json").read_text())
+    assert static["step"] == rebalanced["step"] == STEPS
+    assert rebalanced["param_hash"] == static["param_hash"]
+    assert rebalanced["loss"] == static["loss"]
+    # The final checkpoint is written under the moved boundaries and still loads whole.
+    last = moves(runs, "rebalanced")[-1]["new"]
+    assert [s["children"][0] for s in rebalanced["stages"]] == last
+
+
+def test_lopsided_partition_is_evened_out(runs):
+    done = moves(runs, "lopsided")
+    assert done and done[0]["old"] == [0, 1] and done[0]["new"][1] > 1
+    busy = stage_busy(runs, "lopsided")
+    assert imbalance(busy, range(done[0]["step"] + 2, STEPS + 1)) < \
+        imbalance(busy, range(1, done[0]["step"] + 1))
+
+
+if __name__ == "__main__":
+    worker(Path(sys.argv[1]))
