@@ -25,7 +25,7 @@ from .job import Job
 from .state import TrainState
 from .lifeline import FastRecovery
 from .liveness import Heartbeat
-from .metrics import StepReporter, open_sink, run_id_for
+from .metrics import StepReporter, memcpy_bandwidth, open_sink, run_id_for
 from .world import World, launched_elastic, launcher_host_name
 
 
@@ -66,6 +66,7 @@ def run(job: Job, cfg: TrainConfig, on_step: list | None = None) -> dict:
     session.on_enter.append(lambda session, state: reporter.on_enter(session, state, hvd))
     session.on_step.append(reporter.on_step)
     if world.is_root:
+        events.record("calibration", None, memcpy_bytes_per_s=memcpy_bandwidth())
         sink.emit({"type": "run", "id": run_id, "job": job.name, "status": "running",
                    "started_at": time.time(), "config": asdict(cfg),
                    "launcher": "horovodrun" if elastic else ("mpirun" if world.size > 1 else "local")})

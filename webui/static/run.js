@@ -157,9 +157,15 @@
     const comm = bufs.comm.get("all");
     let bw = bufs.bw.get("all");
     if (bw && !bw.value.some((v) => v > 0)) bw = null;  // one rank: no allreduce traffic
+    // The ceiling: a plain memory copy's bandwidth, measured by rank 0 at start.
+    const calibration = d.events.find((e) => e.kind === "calibration");
+    const bound = bw && calibration && calibration.detail.memcpy_bytes_per_s;
     drawTime("chart-comm", "Communication", "comm / step time",
              [comm && C.line("comm fraction", comm, t0),
-              bw && C.line("bus bandwidth (B/s)", bw, t0, {yaxis: "y3", line: {dash: "dot"}})]
+              bw && C.line("bus bandwidth (B/s)", bw, t0, {yaxis: "y3", line: {dash: "dot"}}),
+              bound && C.line("memory-copy bound (B/s)",
+                              {step: bw.step, time: bw.time, value: bw.value.map(() => bound)},
+                              t0, {yaxis: "y3", line: {dash: "dash", width: 1}})]
                .filter(Boolean),
              bw ? {yaxis3: {overlaying: "y", side: "right", title: {text: "bytes/s"},
                             showgrid: false, automargin: true}} : {});
