@@ -10,6 +10,10 @@ Gloo group under horovodrun), GPipe and 1F1B schedules, hybrid dp x pp.
     checkpoint.py  per-stage files that reload under any other partition
     trainer.py     the training loop (entry: run_pipeline)
     supervisor.py  relaunches a failed mpirun job from the last checkpoint
+    planner.py     [planner] section; (dp, pp) and boundaries from measured layer costs; regatta plan
+    rebalance.py   moves boundaries from measured stage times while training; slowdown injection
+    shards.py      committed stage shards, buddy copies, digests (elastic pipeline)
+    elastic_state.py, elastic_trainer.py   horovodrun elastic: re-plan and move state on every reset
 
 Run: ``mpirun -np 4 --hostfile hostfiles/pipeline.txt python -m jobs.charlm --pp 2 --dp 2
 --schedule 1f1b --microbatches 8``.

@@ -22,7 +22,7 @@ import torch
 from elastic.config import TrainConfig
 from elastic.events import EventLog, Progress
 from elastic.sampler import Cursor, global_batch, rank_share
-from elastic.world import World, launcher_host_name
+from elastic.world import World, launched_elastic, launcher_host_name
 
 from . import checkpoint as ckpt
 from .config import Plan, PipelineConfig, make_plan
@@ -159,7 +159,11 @@ def run_pipeline(job: PipelineJob, train: TrainConfig, pipe: PipelineConfig,
                  on_metrics=None, world: World | None = None,
                  planner: PlannerConfig | None = None) -> dict:
     """Train ``job`` to ``train.steps``; ``on_metrics(dict)`` gets every step's metrics;
-    ``planner.rebalance`` moves stage boundaries from measured stage times (rebalance.py)."""
+    ``planner.rebalance`` moves stage boundaries from measured stage times (rebalance.py).
+    Under horovodrun elastic the elastic trainer runs instead (re-plans on every reset)."""
+    if world is None and launched_elastic():
+        from .elastic_trainer import run_elastic   # imports Horovod, which mpirun runs never need
+        return run_elastic(job, train, pipe, planner, on_metrics)
     world = world or world_from_launcher()
     Path(train.run_dir).mkdir(parents=True, exist_ok=True)
     _share_cores(world)

@@ -1,0 +1,108 @@
+"""Committed pipeline state that survives a rank's death without reading disk.
+
+At every commit each rank snapshots its own stage (parameters and optimizer state under
+the full model's names, rebalance.export_stage) in memory. With dp >= 2 the stage's other
+replicas hold the same bytes (they applied the same summed gradients); with dp = 1 each
+rank also sends its snapshot to a *buddy*, the next rank on another host, over the
+pipeline's Gloo group. So every rank holds one stage's shard, or two with dp = 1: 1/pp or
+2/pp of the model, never the whole of it for pp >= 2 (README states the cost). A
+single failed rank or host therefore never takes the last copy of any stage with it.
+
+On a reset the survivors (and any new workers) all-gather what they hold, pick the newest
+commit whose shards cover every child, and rebuild under the new plan from one copy of
+each shard (the full model passes through every rank once, briefly). Every digest here is
+``model_digest``: sha256 over (name, sha256 of bytes) of every tensor, sorted by name,
+so per-stage digests combine into the full model's.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+
+import torch
+
+from .transport import Transport
+
+SIZE_TAG, DATA_TAG = 32100, 32101     # above the executor's activation and header tags
+
+
+def tensor_digests(state: dict) -> dict[str, str]:
+    return {name: hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+            for name, t in state.items()}
+
+
+def model_digest(digests: dict[str, str]) -> str:
+    """The full model's digest from every tensor's (any stage split gives the same)."""
+    whole = hashlib.sha256()
+    for name in sorted(digests):
+        whole.update(name.encode())
+        whole.update(digests[name].encode())
+    return whole.hexdigest()[:16]
+
+
+def buddies(hosts: list[str], pp: int, dp: int) -> list[int]:
+    """For dp = 1: each rank's buddy, the next rank (cyclically) on another host, or the
+    next rank when every rank shares one host. With dp >= 2 replicas are the copies."""
+    size = len(hosts)
+    if dp > 1 or size == 1:
+        return list(range(size))
+    out = []
+    for rank in range(size):
+        later = [(rank + k) % size for k in range(1, size)]
+        out.append(next((r for r in later if hosts[r] != hosts[rank]), later[0]))
+    return out
+
+
+def to_bytes(obj) -> torch.Tensor:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def from_bytes(data: torch.Tensor):
+    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
+
+
+def exchange(transport: Transport, obj, send_to: int | None, recv_from: list[int]) -> list:
+    """Send ``obj`` to one rank and receive one object from each of ``recv_from``, all
+    non-blocking (a cycle of buddies cannot deadlock)."""
+    payload = to_bytes(obj) if send_to is not None else None
+    sizes = {peer: torch.zeros(1, dtype=torch.int64) for peer in recv_from}
+    handles = [transport.irecv(sizes[p], p, SIZE_TAG) for p in recv_from]
+    if payload is not None:
+        handles.append(transport.isend(torch.tensor([len(payload)]), send_to, SIZE_TAG))
+        handles.append(transport.isend(payload, send_to, DATA_TAG))
+    for handle in handles[:len(recv_from)]:
+        handle.wait()
+    buffers = {p: torch.empty(int(sizes[p]), dtype=torch.uint8) for p in recv_from}
+    received = [transport.irecv(buffers[p], p, DATA_TAG) for p in recv_from]
+    for handle in received + handles[len(recv_from):]:
+        handle.wait()
+    return [from_bytes(buffers[p]) for p in recv_from]
+
+
+def covering_step(items: list[dict], children: int) -> int | None:
+    """The newest committed step whose held shards (``items``: every rank's generations,
+    each {"rank", "step", "ranges"}) cover children 0..children-1."""
+    for step in sorted({i["step"] for i in items}, reverse=True):
+        covered = {c for i in items if i["step"] == step for a, b in i["ranges"] for c in range(a, b)}
+        if covered >= set(range(children)):
+            return step
+    return None
+
+
+def contributors(items: list[dict], step: int) -> dict[tuple, int]:
+    """One holder per shard range of ``step``: the lowest rank holding it."""
+    chosen: dict[tuple, int] = {}
+    for item in sorted((i for i in items if i["step"] == step), key=lambda i: i["rank"]):
+        for rng in map(tuple, item["ranges"]):
+            chosen.setdefault(rng, item["rank"])
+    return chosen
+
+
+def shard_bytes(shards: dict) -> int:
+    """Tensor bytes of the shards a rank holds (what the redundancy costs in memory)."""
+    tensors = [t for shard in shards.values() for t in shard["model"].values()]
+    tensors += [v for shard in shards.values() for state in shard["optimizer"].values()
+                for v in state.values() if torch.is_tensor(v)]
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,203 @@
+"""Elastic pipeline (dp x pp) under a real `horovodrun` on simulated hosts: a SIGKILLed
+worker leaves the survivors under a new plan with the committed model reassembled bit
+for bit from memory (replicas, or buddy copies with dp = 1), and added hosts grow the
+grid. Also the pure pieces of shards.py."""
+from __future__ import annotations
+
+import json
+import threading
+from collections import defaultdict
+
+import pytest
+import torch
+
+from conftest import kinds, regatta_local
+from elastic.pipeline.shards import (buddies, contributors, covering_step, exchange, model_digest,
+                                     tensor_digests)
+
+SMALL = ["--global-batch", "24", "--microbatches", "2", "--set", "model.dim=32",
+         "--set", "model.layers=2", "--set", "model.context=16"]     # 4 children
+
+
+# -- pure pieces ---------------------------------------------------------------------------
+def test_buddies_live_on_other_hosts():
+    assert buddies(["a", "b", "c"], pp=3, dp=1) == [1, 2, 0]
+    assert buddies(["a", "a", "b", "b"], pp=4, dp=1) == [2, 2, 0, 0]
+    assert buddies(["a", "a"], pp=2, dp=1) == [1, 0]            # one host: the next rank
+    assert buddies(["a", "b", "c", "d"], pp=2, dp=2) == [0, 1, 2, 3]   # replicas are the copies
+
+
+def test_newest_fully_held_commit_wins():
+    items = [{"rank": 0, "step": 20, "ranges": [(0, 2)]}, {"rank": 0, "step": 15, "ranges": [(0, 2)]},
+             {"rank": 1, "step": 15, "ranges": [(2, 4)]}, {"rank": 2, "step": 20, "ranges": [(0, 2)]}]
+    assert covering_step(items, 4) == 15          # step 20 lacks children 2..3
+    items.append({"rank": 2, "step": 20, "ranges": [(2, 4), (0, 2)]})
+    assert covering_step(items, 4) == 20
+    assert contributors(items, 20) == {(0, 2): 0, (2, 4): 2}
+    assert covering_step([{"rank": 0, "step": 5, "ranges": [(0, 1)]}], 2) is None
+
+
+def test_model_digest_does_not_depend_on_the_stage_split():
+    torch.manual_seed(0)
+    state = {f"{i}.weight": torch.randn(3, 3) for i in range(4)}
+    whole = model_digest(tensor_digests(state))
+    halves = {**tensor_digests({k: state[k] for k in ("0.weight", "1.weight")}),
+              **tensor_digests({k: state[k] for k in ("2.weight", "3.weight")})}
+    assert model_digest(halves) == whole
+    state["3.weight"][0, 0] += 1e-7
+    assert model_digest(tensor_digests(state)) != whole
+
+
+class Mailbox:
+    """An in-process transport for a few threads: tagged point-to-point messages."""
+
+    def __init__(self):
+        self.boxes, self.ready = defaultdict(list), threading.Condition()
+
+    def view(self, rank):
+        box = self
+
+        class Handle:
+            def __init__(self, fn):
+                self.fn = fn
+
+            def wait(self):
+                return self.fn()
+
+        class View:
+            def isend(self, tensor, peer, tag):
+                with box.ready:
+                    box.boxes[rank, peer, tag].append(tensor.clone())
+                    box.ready.notify_all()
+                return Handle(lambda: tensor)
+
+            def irecv(self, tensor, peer, tag):
+                def take():
+                    with box.ready:
+                        box.ready.wait_for(lambda: box.boxes[peer, rank, tag], timeout=10)
+                        tensor.copy_(box.boxes[peer, rank, tag].pop(0))
+                    return tensor
+                return Handle(take)
+        return View()
+
+
+def test_buddy_exchange_in_a_cycle_does_not_deadlock():
+    box, got = Mailbox(), {}
+    ring = buddies(["a", "b", "c"], pp=3, dp=1)
+
+    def rank(r):
+        senders = [s for s, b in enumerate(ring) if b == r]
+        got[r] = exchange(box.view(r), {"stage": r, "w": torch.full((2,), float(r))}, ring[r], senders)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert {r: [g["stage"] for g in got[r]] for r in range(3)} == {0: [2], 1: [0], 2: [1]}
+    assert torch.equal(got[0][0]["w"], torch.full((2,), 2.0))
+
+
+# -- real horovodrun runs --------------------------------------------------------------------
+def run_local(tmp, *args, job_args):
+    # Cold workers: warm agents are named per simulated host, and another suite on this
+    # machine may hold those names.
+    return regatta_local(tmp, "charlm", "--cold-workers", *args, timeout=360,
+                         job_args=[*job_args, "--db", str(tmp / "m.db")])
+
+
+def finals(tmp):
+    return [json.loads(p.read_text()) for p in (tmp / "run" / "final").glob("*.json")]
+
+
+def commit_hash(report, step, before):
+    hashes = {e["param_hash"] for e in kinds(report, "commit")
+              if e["step"] == step and e["wall_time"] < before}
+    assert len(hashes) == 1, hashes
+    return hashes.pop()
+
+
+@pytest.fixture(scope="module")
+def kill_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pipe_kill")
+    return tmp, run_local(tmp, "--hosts", "4", "--steps", "60", "--commit-every", "5",
+                          "--kill", "2@27", job_args=["--pp", "2", *SMALL])
+
+
+def test_kill_one_of_four_continues_on_three_under_a_new_plan(kill_run):
+    tmp, report = kill_run
+    assert report["exit_code"] == 0
+    assert (report["final_step"], report["final_world_size"]) == (60, 3)
+    (failure,) = report["changes"]
+    assert failure["size_after"] == 3 and failure["steps_redone"] == 27 - 25
+    (replan,) = {json.dumps({k: e[k] for k in ("old", "new", "from_memory")})
+                 for e in kinds(report, "replan")}
+    replan = json.loads(replan)
+    assert replan["old"] == {"pp": 2, "dp": 2, "stages": [[0, 2], [2, 4]]}
+    assert replan["new"]["pp"] * replan["new"]["dp"] == 3 and replan["from_memory"]
+    assert [s[0] for s in replan["new"]["stages"]][0] == 0 and replan["new"]["stages"][-1][1] == 4
+    # Before the failure each rank held only its own stage (its replica holds the copy).
+    held = {tuple(map(tuple, e["held"])) for e in kinds(report, "commit")
+            if e["step"] == 25 and e["wall_time"] < failure["wall_time"]}
+    assert held == {((0, 2),), ((2, 4),)}
+
+
+def test_model_reassembled_after_the_reset_equals_the_last_commit(kill_run):
+    tmp, report = kill_run
+    failed = report["changes"][0]["wall_time"]
+    committed = commit_hash(report, 25, failed)
+    synced = [e for e in kinds(report, "sync") if e["wall_time"] > failed]
+    assert len(synced) == 3 and {e["step"] for e in synced} == {25}
+    assert {e["param_hash"] for e in synced} == {committed}
+    assert {e["param_hash"] for e in kinds(report, "replan")} == {committed}
+    resumed = [e for e in kinds(report, "resumed") if e["wall_time"] > failed]
+    assert {e["step"] for e in resumed} == {26} and {e["size"] for e in resumed} == {3}
+
+
+def test_training_continues_and_survivors_agree(kill_run):
+    tmp, report = kill_run
+    failed = report["changes"][0]["wall_time"]
+    losses = [(e["wall_time"] > failed, e["loss"]) for e in kinds(report, "commit")
+              if e.get("loss") is not None and e["reason"] == "periodic"]
+    before = [loss for after, loss in losses if not after]
+    after = [loss for after, loss in losses if after]
+    assert before and after and max(after) < before[0]
+    assert report["metrics"]["test_loss"] < report["metrics"]["unigram_loss"]
+    by_stage = defaultdict(set)
+    for final in finals(tmp):
+        by_stage[tuple(final["children"])].add(final["param_hash"])
+    assert all(len(h) == 1 for h in by_stage.values()) and len(finals(tmp)) == 3
+
+
+def test_dp1_pipeline_recovers_from_buddy_copies(tmp_path):
+    report = run_local(tmp_path, "--hosts", "3", "--steps", "40", "--commit-every", "5",
+                       "--kill", "2@17", job_args=["--pp", "3", *SMALL])
+    assert report["exit_code"] == 0
+    assert (report["final_step"], report["final_world_size"]) == (40, 2)
+    failed = report["changes"][0]["wall_time"]
+    # Each rank held its own stage and its buddy's: 2 of 3 stages, never the whole model.
+    held = [e["held"] for e in kinds(report, "commit") if e["step"] == 15 and e["wall_time"] < failed]
+    assert held and all(len(h) == 2 for h in held)
+    replans = kinds(report, "replan")
+    assert replans and all(e["from_memory"] and e["old"]["pp"] == 3 for e in replans)
+    synced = {e["param_hash"] for e in kinds(report, "sync") if e["wall_time"] > failed}
+    assert synced == {commit_hash(report, 15, failed)}
+
+
+def test_added_hosts_grow_the_grid_and_replicas_agree(tmp_path):
+    report = run_local(tmp_path, "--hosts", "2", "--steps", "300", "--commit-every", "5",
+                       "--add", "@10", "--add", "@10", job_args=["--pp", "2", *SMALL])
+    assert report["exit_code"] == 0
+    assert (report["final_step"], report["final_world_size"]) == (300, 4)
+    grown = [e for e in kinds(report, "replan") if e["size"] == 4]
+    assert grown and grown[0]["old"]["dp"] == 1 and grown[0]["new"] == \
+        {"pp": 2, "dp": 2, "stages": [[0, 2], [2, 4]]}
+    membership = [e for e in kinds(report, "commit") if e["reason"] == "membership"]
+    step = membership[0]["step"]
+    synced = [e for e in kinds(report, "sync") if e["size"] == 4]
+    assert len(synced) == 4 and {e["step"] for e in synced} == {step}
+    assert {e["param_hash"] for e in synced} == {membership[0]["param_hash"]}
+    by_stage = defaultdict(set)
+    for final in finals(tmp_path):
+        by_stage[tuple(final["children"])].add(final["param_hash"])
+    assert by_stage.keys() == {(0, 2), (2, 4)} and all(len(h) == 1 for h in by_stage.values())
