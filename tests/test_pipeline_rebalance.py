@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from elastic.events import read_events  # noqa: E402
+from elastic.pipeline.rebalance import recut, speeds  # noqa: E402
 
 STEPS = 36
 MODEL = dict(context=16, dim=32, heads=4, layers=8)      # 10 children: embed, 8 blocks, head
@@ -81,6 +82,24 @@ def moves(out: Path, name: str) -> list[dict]:
 
 
 pytestmark = pytest.mark.timeout(420)
+
+BASE = [0.1] + [1.0] * 8 + [0.2]     # nominal child costs: embedding, 8 blocks, head
+
+
+def test_recut_gives_a_slowed_stage_fewer_children():
+    # Stage 1 ([5, 10): 4.2 nominal) took 3 x as long per nominal second as stage 0 (4.1).
+    stages = ((0, 5), (5, 10))
+    new, predicted = recut(stages, [4.1, 3 * 4.2], BASE)
+    assert speeds(stages, [4.1, 3 * 4.2], BASE) == pytest.approx([1.0, 3.0])
+    assert new == ((0, 7), (7, 10)) and predicted == pytest.approx(6.6)   # max(6.1, 3 x 2.2)
+
+
+def test_recut_evens_out_a_lopsided_partition_despite_overhead():
+    # The embedding alone "took" 30x its nominal cost (fixed per-microbatch overhead): too
+    # little work to judge its machine by, so it counts at the other stage's speed.
+    stages = ((0, 1), (1, 10))
+    assert speeds(stages, [3.0, 8.2], BASE) == pytest.approx([1.0, 1.0])
+    assert recut(stages, [3.0, 8.2], BASE)[0] == ((0, 5), (5, 10))
 
 
 def test_slow_stage_loses_children_and_imbalance_falls(runs):

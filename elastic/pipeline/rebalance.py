@@ -11,7 +11,8 @@ boundaries are re-cut:
 
 * Rank 0 measured every child's forward+backward once at start (planner.measure_job): the
   children's *nominal* costs c_i. Stage s then ran at speed f_s = busy_s / sum c_i over
-  its children; a slowed host shows up as a large f_s, a heavy layer as a large c_i.
+  its children; a slowed host shows up as a large f_s, a heavy layer as a large c_i. (A
+  stage with almost no work measures overhead, not speed: it gets the typical f.)
 * The new boundaries minimise max_s f_s * sum c_i (planner.partition): the rank holding a
   slow stage keeps it, but with fewer children. They are used only if the predicted
   bottleneck falls by ``rebalance_min_gain``, so noise does not make boundaries flap.
@@ -144,8 +145,19 @@ def move_stages(run, stages: tuple) -> None:
     run.plan, run.stage, run.optimizer = plan, stage, optimizer
 
 
+TRUSTED_SHARE = 0.25    # of an even share of the nominal work
+
+
 def speeds(stages: tuple, busy: list[float], base: list[float]) -> list[float]:
-    return [b / max(sum(base[a:e]), 1e-12) for (a, e), b in zip(stages, busy)]
+    """Seconds each stage's rank takes per nominal second of work. A stage with almost no
+    work (an embedding alone) measures mostly fixed per-microbatch overhead, which says
+    nothing about its machine: it gets the median speed of the stages that do work."""
+    work = [sum(base[a:e]) for a, e in stages]
+    raw = [b / max(w, 1e-12) for w, b in zip(work, busy)]
+    enough = [w >= TRUSTED_SHARE * sum(base) / len(stages) for w in work]
+    trusted = sorted(f for f, ok in zip(raw, enough) if ok)
+    typical = trusted[len(trusted) // 2] if trusted else 1.0
+    return [f if ok else typical for f, ok in zip(raw, enough)]
 
 
 def recut(stages: tuple, busy: list[float], base: list[float]) -> tuple[tuple, float]:
