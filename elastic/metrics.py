@@ -31,6 +31,8 @@ def run_id_for(job: str, run_dir: str) -> str:
 
 def open_sink(cfg):
     db = cfg.db or str(Path(cfg.run_dir) / "metrics.db")   # db = "" still means this run only
+    if not cfg.ingest:
+        Path(db).parent.mkdir(parents=True, exist_ok=True)
     return make_sink(db=None if cfg.ingest else db, ingest=cfg.ingest or None,
                      token=os.environ.get("REGATTA_INGEST_TOKEN"))
 
@@ -149,6 +151,8 @@ class StepReporter:
                 step = state.step if state.restored_from is None else state.restored_from
                 session.events.record(kind, step, wall_time=noticed, target=host,
                                       size_before=len(before), size_after=len(self.hosts))
+                if kind == "failure":   # Horovod's driver blacklists a failed slot's host
+                    session.events.record("blacklist", step, wall_time=noticed, target=host)
             for host in sorted(set(self.hosts) - set(before)):
                 session.events.record("host_added", state.step, wall_time=noticed, target=host,
                                       size_before=len(before), size_after=len(self.hosts))

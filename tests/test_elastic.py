@@ -81,6 +81,8 @@ def test_store_holds_failure_and_world_size_change(kill_run):
     assert len(failures) == 1 and failures[0]["detail"]["target"] == "127.0.0.3"
     assert failures[0]["step"] == 75 and failures[0]["detail"]["size_after"] == 2
     assert failures[0]["wall_time"] >= report["changes"][0]["wall_time"]
+    (blacklist,) = store.events(run["id"], kinds=["blacklist"])
+    assert blacklist["detail"]["target"] == "127.0.0.3"
     resets = store.events(run["id"], kinds=["reset"])
     assert {(e["detail"]["size_before"], e["detail"]["size_after"]) for e in resets} == {(3, 2)}
     sizes = store.step_series(run["id"], "world_size", by="rank", max_points=10_000)

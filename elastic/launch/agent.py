@@ -26,10 +26,14 @@ import socket
 import sys
 
 SOCKET_PREFIX = "\0regatta-agent-"   # abstract unix socket: nothing to clean up on disk
+NAMESPACE_ENV = "REGATTA_AGENT_NAMESPACE"
 
 
-def socket_name(host: str) -> str:
-    return SOCKET_PREFIX + host
+def socket_name(host: str, namespace: str | None = None) -> str:
+    """Agents of different launches on one machine (simulated hosts share it) must not
+    serve each other's workers: the launcher's namespace keeps them apart."""
+    namespace = os.environ.get(NAMESPACE_ENV, "") if namespace is None else namespace
+    return f"{SOCKET_PREFIX}{namespace}-{host}" if namespace else SOCKET_PREFIX + host
 
 
 def warm_up(modules: list[str]) -> None:

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from ..events import EventLog, read_progress
 from ..faults import ENV as FAULTS_ENV, FaultPlan
-from . import loopback
+from . import agent, loopback
 from .hosts import Host, format_discovery, run_discovery
 from .report import build_report, write_report
 
@@ -119,7 +119,13 @@ def worker_env(plan: LocalPlan) -> dict[str, str]:
     env["REGATTA_PROCS_PER_MACHINE"] = str(plan.max_np)
     env["REGATTA_FAST_RECOVERY"] = "1" if plan.fast_recovery else "0"
     env["PYTHONUNBUFFERED"] = "1"
+    env[agent.NAMESPACE_ENV] = agent_namespace(plan)
     return env
+
+
+def agent_namespace(plan: LocalPlan) -> str:
+    """One per launch (the launcher's pid), so concurrent local runs never share agents."""
+    return str(os.getpid())
 
 
 def run_local(plan: LocalPlan) -> dict:
@@ -187,14 +193,15 @@ def warm_agents(plan: LocalPlan, hosts: list[str]):
                 agents.append(subprocess.Popen(
                     [sys.executable, "-m", "elastic.launch.agent", "--host", host,
                      "--preload", worker_module(plan)],
-                    stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True))
-            for agent in agents:   # each prints one line once it listens
-                if not agent.stdout.readline():
+                    stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
+                    env={**os.environ, agent.NAMESPACE_ENV: agent_namespace(plan)}))
+            for started in agents:   # each prints one line once it listens
+                if not started.stdout.readline():
                     raise RuntimeError(f"a warm agent failed to start; see {log.name}")
         yield
     finally:
-        for agent in agents:
-            _stop(agent)
+        for started in agents:
+            _stop(started)
 
 
 def _apply(action: str, name: str, hosts: list[Host], slots: int) -> list[Host]:
