@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,10 @@ class DigitsConfig:
     hidden: int = 128
     dropout: float = 0.1
     test_fraction: float = 0.25
+    # Accelerator time to simulate per step on a CPU-only machine: a sleep the rank
+    # spends "waiting for the GPU". Tests use it so that per-rank compute times are not
+    # dominated by how the OS shares too few cores among the ranks.
+    simulated_compute_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.hidden <= 0:
@@ -29,6 +34,8 @@ class DigitsConfig:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if not 0 < self.test_fraction < 1:
             raise ConfigError(f"model.test_fraction must be in (0, 1), got {self.test_fraction}")
+        if self.simulated_compute_ms < 0:
+            raise ConfigError(f"model.simulated_compute_ms must be >= 0, got {self.simulated_compute_ms}")
 
 
 class DigitsJob:
@@ -55,6 +62,8 @@ class DigitsJob:
 
     def loss_sum(self, model, batch):
         x, y = batch
+        if self.cfg.simulated_compute_ms:
+            time.sleep(self.cfg.simulated_compute_ms / 1000)
         return nn.functional.cross_entropy(model(x), y, reduction="sum"), len(y)
 
     @torch.no_grad()
