@@ -1,6 +1,6 @@
 """Static stage boundaries against automatic rebalancing, side by side in one mpirun launch.
 
-    .venv/bin/python bench/bench_rebalance.py [--steps 120] [--layers 8] [--dim 64] [--slow 2]
+    .venv/bin/python bench/bench_rebalance.py [--steps 200] [--layers 8] [--dim 64] [--slow 3] [--repeats 1]
 
 Starts ``mpirun -np 2`` on itself (charlm, pp = 2, 1F1B) and runs two scenarios, each
 static then rebalanced, alternating, ``--repeats`` times:
@@ -35,10 +35,10 @@ SCENARIOS = ("slowed rank", "lopsided")
 
 def options(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--layers", type=int, default=8, help="transformer blocks (children - 2)")
     parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--slow", type=float, default=2.0, help="slowdown of rank 1 (slowed-rank scenario)")
+    parser.add_argument("--slow", type=float, default=3.0, help="slowdown of rank 1 (slowed-rank scenario)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--out", default="runs/bench_rebalance")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

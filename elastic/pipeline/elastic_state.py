@@ -62,6 +62,8 @@ def translated():
 class ElasticPipeline(State):
     def __init__(self, job: PipelineJob, train: TrainConfig, pipe: PipelineConfig,
                  planner: PlannerConfig, events: EventLog, recovery: FastRecovery | None):
+        # No broadcast function: Horovod's check_host_updates is never called (the loop
+        # agrees on host changes in its own per-step allreduce).
         super().__init__(bcast_object=None, get_rank=hvd.rank)
         self.job, self.train, self.pipe, self.planner = job, train, pipe, planner
         self.events, self.recovery = events, recovery
@@ -71,7 +73,8 @@ class ElasticPipeline(State):
         # during a commit's buddy exchange must not leave the survivors with half of each).
         self.gens: list[dict] = []
         self.buddy: list[int] = []
-        self.costs = None
+        self.costs = None                  # planner.LayerCosts, measured once by rank 0
+        self.last_plan: dict | None = None
         self.entries = 0
         self.on_metrics: list = []
         self.audit = os.environ.get("REGATTA_AUDIT") == "1"
@@ -230,13 +233,13 @@ class ElasticPipeline(State):
                                                 for k, v in tensor_digests(p["model"]).items()})
         self.events.record("sync", run.step, size=run.world.size, cost_s=time.perf_counter() - started,
                            **audit)
-        old = getattr(self, "_last_plan", None)
+        old = self.last_plan
         new = {"pp": plan.pp, "dp": plan.dp, "stages": [list(s) for s in plan.stages]}
         if old is not None and old != new:
             self.events.record("replan", run.step, old=old, new=new, size=run.world.size,
                                move_s=moved, cost_s=time.perf_counter() - started,
                                from_memory=pieces is not None, **audit)
-        self._last_plan = new
+        self.last_plan = new
 
 
 def _address(host: str) -> str:

@@ -58,8 +58,6 @@ def run_elastic(job: PipelineJob, train: TrainConfig, pipe: PipelineConfig,
         state.on_metrics.append(on_metrics)
     events.record("ready", 0)
     hvd.elastic.run(loop)(state, heartbeat)
-    with translated():
-        trainer.save_checkpoint(state.run)
     if recovery:
         recovery.close()
     return trainer.finish(state.run)
@@ -70,7 +68,7 @@ def loop(state: ElasticPipeline, heartbeat: Heartbeat) -> None:
     run, cfg = state.run, state.train
     data = run.job.train_data()
     faults = FaultPlan.from_env()
-    balancer = Balancer(run, state.planner)
+    balancer = Balancer(run, state.planner, base=list(state.costs.seconds))
     every = cfg.fixed_commit_every or 10
     entered = True
     while run.step < cfg.steps:
@@ -99,6 +97,8 @@ def loop(state: ElasticPipeline, heartbeat: Heartbeat) -> None:
                 and run.step < cfg.steps:
             with translated():
                 trainer.save_checkpoint(run)
+    with translated():   # the final checkpoint, inside the elastic loop: a failure here restores
+        trainer.save_checkpoint(run)
 
 
 def hosts_changed(state: ElasticPipeline) -> bool:

@@ -14,8 +14,12 @@ boundaries are re-cut:
   its children; a slowed host shows up as a large f_s, a heavy layer as a large c_i. (A
   stage with almost no work measures overhead, not speed: it gets the typical f.)
 * The new boundaries minimise max_s f_s * sum c_i (planner.partition): the rank holding a
-  slow stage keeps it, but with fewer children. They are used only if the predicted
-  bottleneck falls by ``rebalance_min_gain``, so noise does not make boundaries flap.
+  slow stage keeps it, but with fewer children. They are tried only if the predicted
+  bottleneck falls by ``rebalance_min_gain`` and they were not tried before.
+* Every window also records the step time under the boundaries in force. When another
+  partition measured faster by ``rebalance_min_gain``, the boundaries go back to it (the
+  model was wrong, e.g. stages sharing a busy core), and the model then waits twice as
+  long before proposing again. Measured beats predicted: no flapping.
 
 The move is in-process and exact: replica 0 of every stage contributes its parameters and
 optimizer state (under the full model's key names, which grid.cut keeps), every rank
@@ -148,64 +152,98 @@ def move_stages(run, stages: tuple) -> None:
 TRUSTED_SHARE = 0.25    # of an even share of the nominal work
 
 
-def speeds(stages: tuple, busy: list[float], base: list[float]) -> list[float]:
-    """Seconds each stage's rank takes per nominal second of work. A stage with almost no
-    work (an embedding alone) measures mostly fixed per-microbatch overhead, which says
-    nothing about its machine: it gets the median speed of the stages that do work."""
-    work = [sum(base[a:e]) for a, e in stages]
-    raw = [b / max(w, 1e-12) for w, b in zip(work, busy)]
-    enough = [w >= TRUSTED_SHARE * sum(base) / len(stages) for w in work]
-    trusted = sorted(f for f, ok in zip(raw, enough) if ok)
+def speeds(stages: tuple, busy: list[float], base: list[float], seen: dict | None = None) -> list[float]:
+    """Seconds each stage's rank takes per nominal second of work. ``seen`` (stage ->
+    (work, speed)) remembers each rank's estimate from when it did the most work: a newer
+    one replaces it when it covers at least half that work. A stage with almost no work
+    (an embedding alone) measures mostly fixed per-microbatch overhead, not its machine:
+    it gets the median speed of the stages that do work."""
+    seen = {} if seen is None else seen
+    for s, ((a, e), b) in enumerate(zip(stages, busy)):
+        work = sum(base[a:e])
+        if s not in seen or work >= seen[s][0] / 2:
+            seen[s] = (work, b / max(work, 1e-12))
+    enough = {s: w >= TRUSTED_SHARE * sum(base) / len(stages) for s, (w, _) in seen.items()}
+    trusted = sorted(seen[s][1] for s in range(len(stages)) if enough[s])
     typical = trusted[len(trusted) // 2] if trusted else 1.0
-    return [f if ok else typical for f, ok in zip(raw, enough)]
+    return [seen[s][1] if enough[s] else typical for s in range(len(stages))]
 
 
-def recut(stages: tuple, busy: list[float], base: list[float]) -> tuple[tuple, float]:
-    """Boundaries minimising the predicted bottleneck, and that bottleneck."""
-    f = speeds(stages, busy, base)
+def recut(stages: tuple, busy: list[float], base: list[float],
+          seen: dict | None = None) -> tuple[tuple, float, list[float]]:
+    """Boundaries minimising the predicted bottleneck, that bottleneck, and the speeds."""
+    f = speeds(stages, busy, base, seen)
     new = partition(len(base), len(stages), lambda a, b, s: f[s] * sum(base[a:b]))
-    return new, max(f[s] * sum(base[a:b]) for s, (a, b) in enumerate(new))
+    return new, max(f[s] * sum(base[a:b]) for s, (a, b) in enumerate(new)), f
 
 
 class Balancer:
     """Slows this rank if asked (fault injection) and, with ``planner.rebalance``, moves
-    the stage boundaries. ``after_step`` is called by every rank after every step."""
+    the stage boundaries. ``after_step`` is called by every rank after every step; every
+    rank takes the same decisions from the same all-gathered numbers."""
 
-    def __init__(self, run, cfg: PlannerConfig):
+    def __init__(self, run, cfg: PlannerConfig, base: list[float] | None = None):
+        """``base``: nominal child costs already measured (rank 0's are used), else rank 0
+        measures them now."""
         self.cfg, self.factor = cfg, slow_factor(run.world.rank, run.world.host)
         slow_down(run.stage.module, self.factor)
         self.base = None
         if cfg.rebalance and run.world.is_root and run.plan.pp > 1:
-            self.base = list(measure_job(run.job, run.train, run.plan.microbatches).seconds)
+            self.base = base or list(measure_job(run.job, run.train, run.plan.microbatches).seconds)
         self.origin = run.step + cfg.rebalance_warmup   # windows count from here
-        self.busy, self.above = 0.0, 0
+        self.busy, self.wall, self.above, self.misses = 0.0, 0.0, 0, 0
+        self.seen: dict = {}        # stage -> (work, speed), see speeds()
+        self.measured: dict = {}    # boundaries -> seconds per step, last window under them
         self.moves: list[dict] = []
 
     def after_step(self, run, metrics) -> None:
         if not self.cfg.rebalance or run.plan.pp == 1 or run.step <= self.origin:
             return
         self.busy += metrics.busy_time
+        self.wall += metrics.step_time
         if (run.step - self.origin) % self.cfg.rebalance_window:
             return
-        rows = allgather_object(run.transport, (run.grid.stage, self.busy, self.base))
-        self.busy = 0.0
-        base = next(r[2] for r in rows if r[2] is not None)
+        rows = allgather_object(run.transport, (run.grid.stage, self.busy, self.wall, self.base))
+        self.busy = self.wall = 0.0
+        base = next(r[3] for r in rows if r[3] is not None)
         busy = [max(r[1] for r in rows if r[0] == s) for s in range(run.plan.pp)]
         imbalance = max(busy) / (sum(busy) / len(busy))
+        # Partitions are compared by what matters, the step time (stages that share cores
+        # with other work can be balanced in busy time and still slower).
+        self.measured[run.plan.stages] = max(r[2] for r in rows) / self.cfg.rebalance_window
+        speeds(run.plan.stages, busy, base, self.seen)     # remember what this window says
         self.above = self.above + 1 if imbalance > self.cfg.rebalance_threshold else 0
-        if self.above < self.cfg.rebalance_patience:
-            return
+        target = self._decide(run.plan.stages, busy, base)
+        if target is not None:
+            self._move(run, *target, imbalance=imbalance, busy=busy)
+
+    def _decide(self, current: tuple, busy: list[float], base: list[float]):
+        """(boundaries, reason, predicted imbalance) or None. Go back to a partition whose
+        steps measured faster than this one's; else, once the imbalance has stayed high, try
+        the model's best untried partition if it predicts a gain. Measured beats predicted,
+        so boundaries never flap between partitions already tried, and each time the model
+        was wrong it waits twice as many windows before it is trusted again."""
+        keep = 1 - self.cfg.rebalance_min_gain
+        best = min(self.measured, key=self.measured.get)
+        if best != current and self.measured[best] < self.measured[current] * keep:
+            self.misses += 1
+            return best, "return to the fastest measured", None
+        if self.above < self.cfg.rebalance_patience * 2 ** self.misses:
+            return None
         self.above = 0
-        new, predicted = recut(run.plan.stages, busy, base)
-        if new == run.plan.stages or predicted > max(busy) * (1 - self.cfg.rebalance_min_gain):
-            return
+        new, predicted, f = recut(current, busy, base, self.seen)
+        if new in self.measured or predicted > max(busy) * keep:
+            return None
+        times = [f[s] * sum(base[a:b]) for s, (a, b) in enumerate(new)]
+        return new, "model", predicted / (sum(times) / len(times))
+
+    def _move(self, run, new: tuple, reason: str, predicted, imbalance: float, busy: list) -> None:
         started, old = time.perf_counter(), run.plan.stages
         move_stages(run, new)
         slow_down(run.stage.module, self.factor)
-        self.origin = run.step + self.cfg.rebalance_warmup
-        f = speeds(old, busy, base)
-        predicted_imbalance = predicted / (sum(f[s] * sum(base[a:b]) for s, (a, b) in enumerate(new)) / len(new))
+        self.origin, self.busy, self.wall, self.above = run.step + self.cfg.rebalance_warmup, 0.0, 0.0, 0
         self.moves.append(run.events.record(
-            "rebalance", run.step, old=[a for a, _ in old], new=[a for a, _ in new],
-            imbalance_before=imbalance, imbalance_predicted=predicted_imbalance,
-            stage_busy=busy, speeds=f, cost_s=time.perf_counter() - started))
+            "rebalance", run.step, old=[a for a, _ in old], new=[a for a, _ in new], reason=reason,
+            imbalance_before=imbalance, imbalance_predicted=predicted, stage_busy=busy,
+            step_time_before=self.measured[old],
+            speeds=[self.seen[s][1] for s in sorted(self.seen)], cost_s=time.perf_counter() - started))
