@@ -100,9 +100,7 @@ def test_buddy_exchange_in_a_cycle_does_not_deadlock():
 
 # -- real horovodrun runs --------------------------------------------------------------------
 def run_local(tmp, *args, job_args):
-    # Cold workers: warm agents are named per simulated host, and another suite on this
-    # machine may hold those names.
-    return regatta_local(tmp, "charlm", "--cold-workers", *args, timeout=360,
+    return regatta_local(tmp, "charlm", *args, timeout=360,
                          job_args=[*job_args, "--db", str(tmp / "m.db")])
 
 
