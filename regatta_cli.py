@@ -4,6 +4,7 @@
     regatta check-hosts --hostfile hostfiles/localhost.txt
     regatta check-hosts --discovery "hostfiles/discover.sh hostfiles/hosts.txt"
     regatta supervise charlm --hostfile hostfiles/pipeline.txt --pp 2 -- --steps 400
+    regatta plan charlm --np 4 -- --config jobs/charlm_pipeline.toml
     regatta ui --db runs/regatta.db                      # the dashboard, 127.0.0.1:8050
     regatta demo                                         # dashboard + a live elastic run
 """
@@ -164,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     add_supervise_arguments(sub.add_parser(
         "supervise", help="run an mpirun pipeline job, relaunching it from its checkpoint "
                           "on the surviving slots when a rank dies"))
+    from elastic.pipeline.planner import add_parser as add_plan_parser, main as cmd_plan
+    add_plan_parser(sub)
     from webui.serve import add_parser as add_ui_parser, main as cmd_ui
     add_ui_parser(sub)
     demo = sub.add_parser("demo", help="dashboard + a live elastic run with a failure and an addition")
@@ -179,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     from elastic.launch.hosts import HostsError
     from elastic.launch.local import PlanError
     handlers = {"local": cmd_local, "check-hosts": cmd_check_hosts, "ui": cmd_ui, "demo": cmd_demo,
-                "supervise": cmd_supervise}
+                "supervise": cmd_supervise, "plan": cmd_plan}
     try:
         return handlers[args.command](args)
     except (ConfigError, HostsError, PlanError, OSError) as err:
