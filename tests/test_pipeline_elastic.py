@@ -187,7 +187,8 @@ def test_dp1_pipeline_recovers_from_buddy_copies(tmp_path):
 
 def test_added_hosts_grow_the_grid_and_replicas_agree(tmp_path):
     report = run_local(tmp_path, "--hosts", "2", "--steps", "300", "--commit-every", "5",
-                       "--add", "@10", "--add", "@10", job_args=["--pp", "2", *SMALL])
+                       "--add", "@10", "--add", "@10",
+                       job_args=["--pp", "2", "--boundaries", "0,2", *SMALL])
     assert report["exit_code"] == 0
     assert (report["final_step"], report["final_world_size"]) == (300, 4)
     grown = [e for e in kinds(report, "replan") if e["size"] == 4]
