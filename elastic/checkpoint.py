@@ -5,6 +5,7 @@ mid-write leaves the previous checkpoint intact, never a torn file.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -29,6 +30,16 @@ def save_atomic(payload: dict, path: Path) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def parameter_hash(model: torch.nn.Module) -> str:
+    """A short digest of every tensor of ``model`` by name: equal on two ranks (or a
+    pipeline's reassembled stages) exactly when their parameters are bit for bit equal."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def load(path: Path) -> dict | None:

@@ -12,7 +12,6 @@ jobs/*.py for the commands.
 """
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass, field
 
@@ -201,11 +200,3 @@ def commit(state: TrainState, session: Session, reason: str, loss: float) -> Non
         session.events.record("commit_interval", state.step, interval=interval,
                               commit_cost_s=policy.commit_cost_s, step_time_s=policy.step_time_s,
                               mtbf_s=policy.mtbf_s(), failures=policy.failures)
-
-
-def parameter_hash(model: torch.nn.Module) -> str:
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()[:16]

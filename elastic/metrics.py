@@ -29,6 +29,13 @@ def run_id_for(job: str, run_dir: str) -> str:
     return f"{job}-{digest}"
 
 
+def run_row(run_id: str, job: str, status: str, **fields) -> dict:
+    """The store's row for a run. Later rows with the same id update only its status and
+    finish time, so ``started_at`` matters only in the first one."""
+    return {"type": "run", "id": run_id, "job": job, "status": status,
+            "started_at": fields.pop("started_at", time.time()), **fields}
+
+
 def open_sink(cfg):
     db = cfg.db or str(Path(cfg.run_dir) / "metrics.db")   # db = "" still means this run only
     if not cfg.ingest:
@@ -193,15 +200,12 @@ class PipelineReporter:
         fields = {k: v for k, v in metrics.items() if k != "type"}
         row = self._metrics_cls(**fields).as_step_row(self.run_id)
         if not self._announced and fields["rank"] == 0:
-            self.sink.emit({"type": "run", "id": self.run_id, "job": self.job, "status": "running",
-                            "started_at": time.time(), "launcher": "mpirun",
-                            "config": {"steps": self.cfg.steps, "pipeline": True}})
+            self.sink.emit(run_row(self.run_id, self.job, "running", launcher="mpirun",
+                                   config={"steps": self.cfg.steps, "pipeline": True}))
             self._announced = True
         self.sink.emit(row)
 
     def close(self, finished: bool) -> None:
         if self._announced and finished:
-            self.sink.emit({"type": "run", "id": self.run_id, "job": self.job,
-                            "status": "finished", "started_at": time.time(),
-                            "finished_at": time.time()})
+            self.sink.emit(run_row(self.run_id, self.job, "finished", finished_at=time.time()))
         self.sink.close()

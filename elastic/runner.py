@@ -18,15 +18,16 @@ from tqdm import tqdm
 
 from .commit_policy import CommitPolicy
 from .config import TrainConfig
-from .dataparallel import Session, make_optimizer, parameter_hash, train_loop
+from .checkpoint import parameter_hash
+from .dataparallel import Session, make_optimizer, train_loop
 from .events import EventLog, Progress
 from .faults import FaultPlan
 from .job import Job
 from .state import TrainState
 from .lifeline import FastRecovery
 from .liveness import Heartbeat
-from .metrics import StepReporter, memcpy_bandwidth, open_sink, run_id_for
-from .world import World, launched_elastic, launcher_host_name
+from .metrics import StepReporter, memcpy_bandwidth, open_sink, run_id_for, run_row
+from .world import World, launched_elastic, launcher_host_name, share_cores
 
 
 def run(job: Job, cfg: TrainConfig, on_step: list | None = None) -> dict:
@@ -43,8 +44,8 @@ def run(job: Job, cfg: TrainConfig, on_step: list | None = None) -> dict:
         recovery.before_init()
     init_started = time.time()
     hvd.init()
-    _share_cores()
     world = World.from_horovod(hvd)
+    share_cores(world)
     events.rank = world.rank
     events.record("start", None, size=world.size, elastic=elastic, fast_recovery=bool(recovery),
                   process_created=psutil.Process().create_time(), init_started=init_started)
@@ -67,9 +68,8 @@ def run(job: Job, cfg: TrainConfig, on_step: list | None = None) -> dict:
     session.on_step.append(reporter.on_step)
     if world.is_root:
         events.record("calibration", None, memcpy_bytes_per_s=memcpy_bandwidth())
-        sink.emit({"type": "run", "id": run_id, "job": job.name, "status": "running",
-                   "started_at": time.time(), "config": asdict(cfg),
-                   "launcher": "horovodrun" if elastic else ("mpirun" if world.size > 1 else "local")})
+        sink.emit(run_row(run_id, job.name, "running", config=asdict(cfg),
+                          launcher="horovodrun" if elastic else ("mpirun" if world.size > 1 else "local")))
     if recovery:
         state.before_reset_hooks.append(recovery.before_init)
         session.on_enter.append(lambda session, state: recovery.enter(hvd, session.world))
@@ -91,8 +91,7 @@ def run(job: Job, cfg: TrainConfig, on_step: list | None = None) -> dict:
     result = finish(state, session)
     reporter.close()
     if session.world.is_root:
-        sink.emit({"type": "run", "id": run_id, "job": job.name, "status": "finished",
-                   "started_at": time.time(), "finished_at": time.time()})
+        sink.emit(run_row(run_id, job.name, "finished", finished_at=time.time()))
     sink.close()
     return result
 
@@ -101,14 +100,6 @@ def _rebuild_world(session: Session, state: TrainState) -> None:
     """A new immutable World for this generation, before anything uses rank or size."""
     session.world = World.from_horovod(hvd, generation=session.entries - 1)
     session.events.rank = session.world.rank
-
-
-def _share_cores() -> None:
-    """Several ranks on one machine must not each spin a thread per core: with 3 ranks on
-    2 cores that oversubscription made steps 50x slower. ``regatta local`` says how many
-    processes share the machine; otherwise Horovod's local size does."""
-    sharing = int(os.environ.get("REGATTA_PROCS_PER_MACHINE", 0)) or hvd.local_size()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // sharing))
 
 
 def finish(state: TrainState, session: Session) -> dict:

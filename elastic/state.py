@@ -28,6 +28,7 @@ class TrainState(hvd.elastic.TorchState):
         self._checkpoint_path = checkpoint_path
         self._checkpoint_every = checkpoint_every
         self._commits = 0
+        self._checkpointed_step: int | None = None   # the final commit may have written it
         # Tests and audits ask for a parameter hash on every commit, restore and sync.
         self._audit = os.environ.get("REGATTA_AUDIT") == "1"
         self.before_reset_hooks: list = []   # run before Horovod re-initialises
@@ -48,8 +49,7 @@ class TrainState(hvd.elastic.TorchState):
     def _audit_fields(self) -> dict:
         if not self._audit:
             return {}
-        from .dataparallel import parameter_hash
-        return {"param_hash": parameter_hash(self.model)}
+        return {"param_hash": checkpoint.parameter_hash(self.model)}
 
     def commit(self, reason: str = "periodic", loss: float | None = None) -> float:
         """Snapshot in memory (and to disk every N commits). Host updates are checked in
@@ -89,7 +89,7 @@ class TrainState(hvd.elastic.TorchState):
                             size=hvd.size(), **self._audit_fields())
 
     def write_checkpoint(self) -> None:
-        if hvd.rank() != 0:
+        if hvd.rank() != 0 or self._checkpointed_step == self.step:
             return
         started = time.perf_counter()
         checkpoint.save_atomic({"model": self.model.state_dict(),
@@ -97,6 +97,7 @@ class TrainState(hvd.elastic.TorchState):
                                 "step": self.step, "epoch": self.epoch,
                                 "consumed": self.consumed, "world_size": hvd.size(),
                                 "wall_time": time.time()}, self._checkpoint_path)
+        self._checkpointed_step = self.step
         self._events.record("checkpoint", self.step, path=str(self._checkpoint_path),
                             cost_s=time.perf_counter() - started)
 

@@ -28,7 +28,7 @@ from elastic.events import EventLog
 from elastic.faults import FaultPlan
 from elastic.lifeline import FastRecovery
 from elastic.liveness import Heartbeat
-from elastic.world import World, launcher_host_name
+from elastic.world import World, launcher_host_name, share_cores
 
 from . import trainer
 from .config import PipelineConfig
@@ -49,7 +49,7 @@ def run_elastic(job: PipelineJob, train: TrainConfig, pipe: PipelineConfig,
         recovery.before_init()
     hvd.init()
     world = World.from_horovod(hvd)
-    trainer._share_cores(world)
+    share_cores(world)
     events.rank = world.rank
     events.record("start", None, size=world.size, elastic=True, engine="pipeline",
                   fast_recovery=bool(recovery))

@@ -12,7 +12,6 @@ there; the transport moves device tensors (transport.py).
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from typing import Protocol
@@ -133,14 +132,3 @@ class PipelineStage:
             offset += grad.numel()
         loss = float(flat[-1]) if self.grid.is_last else None
         return loss, time.perf_counter() - started, flat.numel() * 4 if self.grid.dp > 1 else 0
-
-
-def parameter_hash(module: nn.Module) -> str:
-    """Same digest as elastic.dataparallel.parameter_hash (not imported: that module pulls
-    in Horovod, which an mpirun pipeline never initialises). Stage keys keep the full
-    model's names, so the assembled model's hash compares with a data-parallel run's."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(module.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()[:16]

@@ -22,7 +22,7 @@ import torch
 from elastic.config import TrainConfig
 from elastic.events import EventLog, Progress
 from elastic.sampler import Cursor, global_batch, rank_share
-from elastic.world import World, launched_elastic, launcher_host_name
+from elastic.world import World, launched_elastic, launcher_host_name, share_cores
 
 from . import checkpoint as ckpt
 from .config import Plan, PipelineConfig, make_plan
@@ -30,7 +30,9 @@ from .grid import Grid, cut
 from .metrics import StepMetrics
 from .planner import PlannerConfig
 from .rebalance import Balancer
-from .stage import PipelineJob, PipelineStage, parameter_hash
+from elastic.checkpoint import parameter_hash
+
+from .stage import PipelineJob, PipelineStage
 from .transport import Transport, make_transport
 
 
@@ -166,7 +168,7 @@ def run_pipeline(job: PipelineJob, train: TrainConfig, pipe: PipelineConfig,
         return run_elastic(job, train, pipe, planner, on_metrics)
     world = world or world_from_launcher()
     Path(train.run_dir).mkdir(parents=True, exist_ok=True)
-    _share_cores(world)
+    share_cores(world)
     run = setup(job, train, pipe, world)
     if on_metrics is not None:
         run.on_metrics.append(on_metrics)
@@ -185,13 +187,6 @@ def run_pipeline(job: PipelineJob, train: TrainConfig, pipe: PipelineConfig,
             save_checkpoint(run)
     save_checkpoint(run)
     return finish(run)
-
-
-def _share_cores(world: World) -> None:
-    """As elastic.runner: ranks sharing a machine split its cores instead of each
-    spinning a thread per core."""
-    sharing = int(os.environ.get("REGATTA_PROCS_PER_MACHINE", 0)) or world.local_size
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // sharing))
 
 
 def _report(run: Run) -> None:
