@@ -9,10 +9,10 @@ setup:
 	bash tools/setup.sh
 
 demo: setup
-	$(PY) -m regatta_cli demo
+	$(PY) -m regatta demo
 
 test: setup
-	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra --durations=30 $(PYTEST_ARGS)
 
 bench: setup
 	for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -1,9 +1,11 @@
 """Batched versus row-by-row ingest into the Regatta store, measured side by side.
 
     .venv/bin/python bench/bench_ingest.py [--rows 50000] [--batch 1000] [--single 1000]
+    .venv/bin/python bench/bench_ingest.py --db postgresql+psycopg://user@host/empty_db
 
 Writes realistic ``step`` rows into a fresh SQLite store (WAL, default synchronous mode,
-the same settings the dashboard server uses) in a temporary folder, first in batches of
+the same settings the dashboard server uses) in a temporary folder (or the store at
+``--db``), keeping the per-run summary as the server does, first in batches of
 ``--batch`` rows per ``Store.write_rows`` call (one transaction each), then one
 transaction per row, and prints both rates and their ratio. Goals: at least 20,000
 rows/s batched and at least 100x the row-by-row rate.
@@ -29,6 +31,7 @@ class BenchConfig:
     batch: int = 1000     # rows per batch (one transaction)
     single: int = 1000    # rows written one transaction each (slow: keep it small)
     folder: str = ""      # where the database goes; default: a fresh temporary folder
+    db: str = ""          # a store URL instead (an empty PostgreSQL database, say)
 
 
 def make_rows(n: int, prefix: str) -> list[dict]:
@@ -55,7 +58,9 @@ def main(argv=None) -> int:
         parser.add_argument(f"--{name}", type=type(value), default=value)
     cfg = BenchConfig(**vars(parser.parse_args(argv)))
     with tempfile.TemporaryDirectory(dir=cfg.folder or None) as folder:
-        store = Store(os.path.join(folder, "bench.db"))
+        store = Store(cfg.db or os.path.join(folder, "bench.db"))
+        store.write_rows([{"type": "run", "id": "bench", "job": "bench", "status": "running",
+                           "started_at": 1e9}])
         store.write_rows(make_rows(100, "warmup"))  # connection, pages and caches warm
         batched = rate(store, make_rows(cfg.rows, "batched"), cfg.batch)
         single = rate(store, make_rows(cfg.single, "single"), 1)

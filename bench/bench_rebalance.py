@@ -54,28 +54,31 @@ def cases(opts) -> list[tuple[str, bool, list, float]]:
 
 def worker(opts) -> None:
     from elastic.config import TrainConfig
-    from elastic.events import read_events
+    from elastic.runtime.events import read_events
     from elastic.pipeline.config import PipelineConfig
     from elastic.pipeline.planner import PlannerConfig
     from elastic.pipeline.rebalance import SLOW_ENV
-    from elastic.pipeline.trainer import run_pipeline, world_from_launcher
+    from elastic.train import train
     from jobs.charlm import CharLMConfig, CharLMJob
-    world = world_from_launcher()
+    rank = None
     job = CharLMJob(CharLMConfig(context=32, dim=opts.dim, heads=4, layers=opts.layers))
     results = []
     for index, (name, rebalance, boundaries, slow) in enumerate(cases(opts)):
         os.environ[SLOW_ENV] = f"1:{slow}"
-        walls = []
         run_dir = Path(opts.out) / f"case{index}"
-        train = TrainConfig(steps=opts.steps, global_batch=16, lr=0.003, seed=1, progress=False,
-                            commit_every=opts.steps, checkpoint_every=1, run_dir=str(run_dir))
-        pipe = PipelineConfig(pp=2, microbatches=4, boundaries=boundaries, transport="mpi")
-        run_pipeline(job, train, pipe, world=world, planner=PlannerConfig(rebalance=rebalance),
-                     on_metrics=lambda row: walls.append(row["wall_time"]))
+        configs = {"train": TrainConfig(steps=opts.steps, global_batch=16, lr=0.003, seed=1,
+                                        progress=False, commit_every=opts.steps, checkpoint_every=1,
+                                        run_dir=str(run_dir), db=str(run_dir / "m.db")),
+                   "pipeline": PipelineConfig(pp=2, microbatches=4, boundaries=boundaries,
+                                              transport="mpi"),
+                   "planner": PlannerConfig(rebalance=rebalance)}
+        records = []
+        train(job, configs, callbacks=[records.append])
+        walls, rank = [r["wall_time"] for r in records], records[0]["rank"]
         moves = [e for e in read_events(run_dir) if e["kind"] == "rebalance" and e["rank"] == 0]
         results.append({"name": name, "rebalance": rebalance, "walls": walls,
                         "moves": [(e["step"], e["old"], e["new"]) for e in moves]})
-    if world.is_root:
+    if rank == 0:
         (Path(opts.out) / "results.json").write_text(json.dumps(results))
 
 

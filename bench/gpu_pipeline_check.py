@@ -91,9 +91,10 @@ def worker(rank: int, opts: argparse.Namespace, init: str, out: str) -> None:
     torch.set_float32_matmul_precision("highest")   # the default, said out loud: no TF32
     from elastic.pipeline.config import PipelineConfig, make_plan
     from elastic.pipeline.grid import Grid, build_stage
-    from elastic.pipeline.stage import PipelineStage, stage_device
+    from elastic.pipeline.stage import PipelineStage
+    from elastic.runtime.device import choose_device
     from elastic.pipeline.transport import GlooTransport
-    from elastic.world import World
+    from elastic.runtime.world import World
     from jobs.charlm import CharLMConfig, CharLMJob
 
     out = Path(out)
@@ -104,7 +105,7 @@ def worker(rank: int, opts: argparse.Namespace, init: str, out: str) -> None:
     devices = [("cpu", "cpu"), ("cpu-staged", "cpu")] if opts.cpu_only else \
         [("cuda", "cuda"), ("cpu", "cpu")]          # CUDA first: a failure shows at once
     for name, request in devices:
-        device = stage_device(request, local_rank=rank)
+        device = choose_device(request, local_rank=rank)
         transport.direct_devices = frozenset() if name == "cpu-staged" else frozenset({"cpu"})
         for schedule, m in cases(opts):
             plan = make_plan(PipelineConfig(pp=2, schedule=schedule, microbatches=m), 2,
@@ -125,7 +126,8 @@ def worker(rank: int, opts: argparse.Namespace, init: str, out: str) -> None:
                 started = time.perf_counter()
                 optimizer.zero_grad(set_to_none=True)
                 stats = stage.forward_backward(batch, count)
-                loss_sum, _, _ = stage.reduce(stats)
+                stage.reduce()
+                loss_sum = stats.loss_sum if grid.is_last else None   # dp = 1: this replica's
                 optimizer.step()
                 sync(device)
                 rows.append({"step": step + 1, "time": time.perf_counter() - started,

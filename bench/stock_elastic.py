@@ -9,19 +9,21 @@ first step done) in the same event files as Regatta's workers.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import horovod.torch as hvd
 import torch
 
-from elastic.events import EventLog, Progress
+from elastic.runtime.events import EventLog, Progress
 from elastic.faults import FaultPlan
-from elastic.world import World
-from jobs.common import parse
+from elastic.runtime.world import World
+from elastic.command_line import parse
 from jobs.digits import DigitsConfig, DigitsJob
 
 
 def main() -> None:
-    config = parse("digits", {"model": DigitsConfig})
+    config = parse("stock_elastic", {"model": DigitsConfig},
+                   toml=str(Path(__file__).resolve().parents[1] / "jobs" / "digits.toml"))
     cfg, job = config["train"], DigitsJob(config["model"])
     hvd.init()
     torch.set_num_threads(1)
@@ -41,7 +43,7 @@ def main() -> None:
     def train(state):
         first = True
         while state.step < cfg.steps:
-            world = World.from_horovod(hvd)
+            world = World.from_horovod(hvd, os.environ.get("HOROVOD_HOSTNAME", "local"))
             faults.before_step(world, state.step, events)
             generator = torch.Generator().manual_seed(state.step * 1000 + hvd.rank())
             batch = torch.randint(0, len(x), (cfg.global_batch // hvd.size(),), generator=generator)

@@ -22,29 +22,48 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+OPTIMIZERS = ("adam", "adamw", "sgd")
+
+
 @dataclass
 class TrainConfig:
     steps: int = 200
     global_batch: int = 64          # samples per optimizer step, split across ranks
     lr: float = 1e-3
-    optimizer: str = "adam"         # adam | sgd
+    optimizer: str = "adam"         # adam | adamw | sgd, when the job brings no optimizer
+    accumulate: int = 1             # microsteps per optimizer step (gradient accumulation)
+    clip_grad_norm: float = 0.0     # clip the global gradient norm to this (0: no clipping)
+    autocast: str = ""              # "" | bf16 | fp16 (fp16 with a GradScaler, for CUDA)
+    device: str = ""                # cpu | cuda (this rank's GPU) | cuda:N | auto; "" = cpu
+    loader_workers: int = 2         # DataLoader worker processes for a Dataset (0: in-process)
     commit_every: int | str = 10    # steps between in-memory commits, or "auto" (Young/Daly)
     checkpoint_every: int = 5       # commits between durable checkpoints (0: never)
     checkpoint_dir: str = ""        # "" -> <run_dir>/checkpoint
-    eval_every: int = 0             # steps between evaluations on rank 0 (0: only at end)
+    eval_every: int = 0             # steps between evaluations on rank 0, logged (0: only at end)
     seed: int = 0
     run_dir: str = "runs/latest"
     db: str = "runs/regatta.db"     # SQLite metrics store shared by every run here
     ingest: str = ""                # dashboard URL; when set, metrics are POSTed there
     progress: bool = True           # tqdm bar on rank 0
     stall_after: float = 5.0        # seconds without progress before a rank is a stall event
+    resume: str = ""                # continue this run id from the checkpoint folder ("auto":
+                                    # the run whose checkpoint is there); "" = a new run
+    # Data-parallel gradient reduction (elastic/dataparallel/reduce.py)
+    bucket_mb: float = 25.0         # gradients sent together, as Horovod's fusion threshold
+                                    # (0: one collective per parameter)
+    compression: str = "none"       # none | fp16: gradients on the wire as float16
 
     def __post_init__(self) -> None:
         _require(self.steps > 0, f"train.steps must be > 0, got {self.steps}")
         _require(self.global_batch > 0, f"train.global_batch must be > 0, got {self.global_batch}")
         _require(self.lr > 0, f"train.lr must be > 0, got {self.lr}")
-        _require(self.optimizer in ("adam", "sgd"),
-                 f"train.optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
+        _require(self.optimizer in OPTIMIZERS,
+                 f"train.optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        _require(self.accumulate >= 1, f"train.accumulate must be >= 1, got {self.accumulate}")
+        _require(self.clip_grad_norm >= 0, f"train.clip_grad_norm must be >= 0, got {self.clip_grad_norm}")
+        _require(self.autocast in ("", "bf16", "fp16"),
+                 f"train.autocast must be '', 'bf16' or 'fp16', got {self.autocast!r}")
+        _require(self.loader_workers >= 0, f"train.loader_workers must be >= 0, got {self.loader_workers}")
         _require(self.commit_every == "auto" or (isinstance(self.commit_every, int)
                                                   and self.commit_every > 0),
                  f"train.commit_every must be a positive integer or 'auto', got {self.commit_every!r}")
@@ -52,6 +71,10 @@ class TrainConfig:
                  f"train.checkpoint_every must be >= 0, got {self.checkpoint_every}")
         _require(self.eval_every >= 0, f"train.eval_every must be >= 0, got {self.eval_every}")
         _require(self.stall_after > 0, f"train.stall_after must be > 0, got {self.stall_after}")
+        _require(self.bucket_mb >= 0, f"train.bucket_mb must be >= 0, got {self.bucket_mb}")
+        _require(self.compression in ("none", "fp16"),
+                 f"train.compression must be 'none' or 'fp16' (Horovod 0.28.1 has no bfloat16 "
+                 f"allreduce), got {self.compression!r}")
 
     @property
     def fixed_commit_every(self) -> int | None:
@@ -120,27 +143,29 @@ def parse_overrides(pairs: list[str]) -> dict[str, dict[str, str]]:
     return tables
 
 
-def load(path: str | Path, sections: dict[str, type], overrides: dict[str, dict] | None = None) -> dict:
-    """Load TOML ``path`` into one dataclass per section; ``overrides`` win over the file."""
-    path = Path(path)
+def load(path: str | Path | None, sections: dict[str, type],
+         overrides: dict[str, dict] | None = None, defaults: dict[str, dict] | None = None) -> dict:
+    """Load TOML ``path`` (None: no file) into one dataclass per section; ``overrides``
+    win over the file, which wins over ``defaults``, which win over the dataclasses'."""
+    path = Path(path) if path is not None else Path("(command line)")
     try:
-        raw = tomllib.loads(path.read_text())
+        raw = tomllib.loads(path.read_text()) if path.name != "(command line)" else {}
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: not valid TOML: {err}") from None
-    overrides = overrides or {}
-    unknown = sorted((set(raw) | set(overrides)) - set(sections))
+    overrides, defaults = overrides or {}, defaults or {}
+    unknown = sorted((set(raw) | set(overrides) | set(defaults)) - set(sections))
     if unknown:
         raise ConfigError(f"{path}: unknown table [{unknown[0]}]; known: {', '.join(sections)}")
     result = {}
     for name, cls in sections.items():
-        table = dict(raw.get(name, {}))
+        table = raw.get(name, {})
         if not isinstance(table, dict):
             raise ConfigError(f"{path}: [{name}] must be a table")
-        table.update(overrides.get(name, {}))
+        table = {**defaults.get(name, {}), **table, **overrides.get(name, {})}
         result[name] = build(cls, table, name, path.name)
     return result
 
 
-__all__ = ["ConfigError", "TrainConfig", "build", "load", "parse_overrides"]
+__all__ = ["ConfigError", "TrainConfig", "OPTIMIZERS", "build", "load", "parse_overrides"]

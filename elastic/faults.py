@@ -8,6 +8,9 @@ act on it at exact steps, which keeps fault tests repeatable:
 * ``slow``: ``{H: factor}``: workers on H stretch their compute time by ``factor``.
 * ``pause``: ``[{"host": H, "step": S, "seconds": T}]``: workers on H stall for T seconds
   (a hung data loader): alive, silent, and must not be declared dead.
+* ``kill_connecting``: ``[{"host": H, "step": S}]``: every worker on host H SIGKILLs itself
+  in the first recovery after step S, the instant Gloo connects it to the new world: the
+  survivors are mid mesh connection, the worst moment for a second death.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ class FaultPlan:
     kill: list = field(default_factory=list)
     slow: dict = field(default_factory=dict)
     pause: list = field(default_factory=list)
+    kill_connecting: list = field(default_factory=list)
 
     @classmethod
     def from_env(cls) -> "FaultPlan":
@@ -32,7 +36,22 @@ class FaultPlan:
         return cls(**json.loads(text)) if text else cls()
 
     def to_env(self) -> str:
-        return json.dumps({"kill": self.kill, "slow": self.slow, "pause": self.pause})
+        return json.dumps({"kill": self.kill, "slow": self.slow, "pause": self.pause,
+                           "kill_connecting": self.kill_connecting})
+
+    def kills_connecting(self, host: str, step: int) -> bool:
+        """Whether this host's workers die while connecting the world re-formed at ``step``."""
+        return any(f["host"] == host and step >= f["step"] for f in self.kill_connecting)
+
+    @staticmethod
+    def kill_now(events, step: int | None, **detail) -> None:
+        # The store, not only the JSONL, must learn of the kill: the dashboard measures
+        # recovery from it. Pending rows first, so that the flush between the recorded
+        # instant and the kill carries one row.
+        events.flush()
+        events.record("kill_injected", step, **detail)
+        events.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def before_step(self, world, step: int, events) -> None:
         for fault in self.pause:
@@ -40,8 +59,7 @@ class FaultPlan:
                 time.sleep(fault["seconds"])
         for fault in self.kill:
             if fault["host"] == world.host and fault["step"] == step:
-                events.record("kill_injected", step, size=world.size)
-                os.kill(os.getpid(), signal.SIGKILL)
+                self.kill_now(events, step, size=world.size)
 
     def after_compute(self, world, step: int, compute_started: float) -> None:
         factor = self.slow.get(world.host)

@@ -1,252 +1,280 @@
-"""Fast failure detection: survivors leave a blocked collective within a second of a peer's
-death instead of waiting out Gloo's receive timeout (30 s by default).
+"""Lifelines: a sparse mesh of idle TCP connections over which ranks learn of deaths.
 
-Every rank keeps one idle TCP connection to every other rank, its *lifeline*. When a
-process dies, SIGKILL included, its kernel closes its sockets, so the peers read EOF or a
-reset on the lifeline at once: a death is learned positively, never guessed from silence.
-A stalled process (SIGSTOP, a hung data loader) keeps its sockets open, so it is never
-declared dead; TCP keepalive, answered by the kernel even for a stopped process, still
-catches a machine that vanished without closing anything.
+Every rank keeps a lifeline to the ranks ``rank +- 2**k`` (a ring with skip links): about
+``2 log2 n`` connections each, 18 at 512 ranks, read with one epoll selector. When a
+process dies, SIGKILL included, its kernel closes its sockets, so its neighbours read EOF
+at once and flood the news over the mesh; every rank knows within a few hops, each hop a
+wake-up of one thread. A death is learned positively, never guessed from silence.
 
-On a death the watchdog shuts down this rank's Gloo peer connections (a shutdown on a
-dup of each fd), which makes Horovod raise ``HorovodInternalError`` in the blocked
-collective; ``hvd.elastic.run`` then restores the last commit and resets. Only the
-connections Horovod's Gloo opened during the last ``hvd.init`` are touched (see
-:class:`ConnectionBaseline`), never the driver's, the metrics sink's or a
-torch.distributed group's. A rank leaving on purpose says goodbye first.
+A host that vanishes (powered off, cable pulled) closes nothing. The heartbeats every
+lifeline already carries then go unacknowledged, and ``TCP_USER_TIMEOUT`` turns that into
+an error after :data:`USER_TIMEOUT_S`. A stopped process (SIGSTOP, a debugger) is still
+answered by its kernel, so it is never declared dead, only a stall (liveness.py).
+
+This module knows nothing of Horovod: the owner passes an ``allgather`` to exchange
+addresses and callbacks to act on deaths and stalls (see recovery.py).
 """
 from __future__ import annotations
 
 import os
-import select
+import selectors
 import socket
 import struct
 import threading
 import time
 
-import psutil
+from .liveness import Heartbeat, StallWatch, first_healthy
 
-from .liveness import Heartbeat, StallWatch
-
-MESSAGE = struct.Struct("!cB2xI")   # kind, waiting flag, step: fixed size, easy framing
-PROGRESS, BYE = b"P", b"B"
-HEARTBEAT_S = 0.5
-
-
-def established() -> set[tuple[int, tuple, tuple]]:
-    """(fd, local address, remote address) of this process's established TCP sockets."""
-    return {(c.fd, tuple(c.laddr), tuple(c.raddr))
-            for c in psutil.Process().net_connections(kind="tcp")
-            if c.status == psutil.CONN_ESTABLISHED and c.fd >= 0 and c.raddr}
+MESSAGE = struct.Struct("!cBxxiI")   # kind, flag (waiting; recorded), subject rank, step
+PROGRESS, BYE, DEAD, STALL, CLEAR = b"P", b"B", b"D", b"S", b"C"
+HEARTBEAT_S = 0.25
+USER_TIMEOUT_S = 1.5   # heartbeats unacknowledged this long: the peer is gone (a stopped
+                       # process's kernel would have acknowledged them)
+CONNECT_TIMEOUT_S = 30.0
+TCP_USER_TIMEOUT = getattr(socket, "TCP_USER_TIMEOUT", 18)
 
 
-class ConnectionBaseline:
-    """Remembers the sockets open before ``hvd.init`` so the new ones can be told apart."""
-
-    def __init__(self) -> None:
-        self.before: set = set()
-
-    def mark(self) -> None:
-        self.before = established()
-
-    def gloo_connections(self, exclude_fds: set[int]) -> list[tuple[int, tuple, tuple]]:
-        rendezvous = int(os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT", "0") or 0)
-        return [c for c in established() - self.before
-                if c[0] not in exclude_fds and c[2][1] != rendezvous]
+def neighbours(rank: int, size: int) -> list[int]:
+    """The ranks ``rank`` holds a lifeline to: ``rank +- 2**k`` around the ring."""
+    steps = [1 << k for k in range(max(size - 1, 1).bit_length()) if (1 << k) < size]
+    return sorted({(rank + s) % size for s in steps} | {(rank - s) % size for s in steps} - {rank})
 
 
-def _keepalive(sock: socket.socket) -> None:
+def watchers(rank: int, size: int) -> list[int]:
+    """The ranks that see ``rank``'s heartbeats, in the order they take turns to report its
+    stalls: nearest predecessor first (rank-1, rank-2, rank-4, ...), then successors."""
+    steps = [1 << k for k in range(max(size - 1, 1).bit_length()) if (1 << k) < size]
+    order = [(rank - s) % size for s in steps] + [(rank + s) % size for s in steps]
+    return list(dict.fromkeys(r for r in order if r != rank))
+
+
+def tune(sock: socket.socket, user_timeout_s: float) -> None:
+    """Keepalive for idle spells, and a bound on unacknowledged data for vanished hosts."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for option, value in (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 2), ("TCP_KEEPCNT", 3)):
+    for option, value in (("TCP_KEEPIDLE", 1), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 2)):
         if hasattr(socket, option):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
-
-
-def sever(connections: list[tuple[int, tuple, tuple]]) -> int:
-    """Shut down each connection if its fd still names the same connection."""
-    count = 0
-    for fd, local, remote in connections:
-        try:
-            dup = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
-            if dup.getsockname()[:2] == local[:2] and dup.getpeername()[:2] == remote[:2]:
-                dup.shutdown(socket.SHUT_RDWR)
-                count += 1
-        except OSError:
-            pass
-        finally:
-            dup.close()
-    return count
-
-
-def host_address(host: str) -> str:
-    """The address peers reach this host at: the launcher's host name when it is one of
-    this machine's addresses (simulated hosts), else the Gloo interface's IPv4."""
-    local = {a.address: nic for nic, addrs in psutil.net_if_addrs().items() for a in addrs
-             if a.family == socket.AF_INET}
-    try:
-        resolved = socket.gethostbyname(host)
-    except OSError:
-        resolved = ""
-    if resolved in local:
-        return resolved
-    iface = os.environ.get("HOROVOD_GLOO_IFACE", "")
-    return next((a for a, nic in local.items() if nic == iface), resolved or "127.0.0.1")
+    sock.setsockopt(socket.IPPROTO_TCP, TCP_USER_TIMEOUT, int(user_timeout_s * 1000))
 
 
 class Lifeline:
-    """One generation's mesh of lifelines and the watchdog thread that reads them."""
+    """One generation's lifelines and the watchdog thread that reads them.
 
-    def __init__(self, hvd, world, gloo: list, on_death, heartbeat: Heartbeat,
-                 on_stall=None, stall_after: float = 5.0) -> None:
-        self.world, self.gloo, self.on_death, self.on_stall = world, gloo, on_death, on_stall
-        self.heartbeat, self.watch = heartbeat, StallWatch(stall_after)
-        self._armed = threading.Event()
+    ``on_death(rank, host, how, when)`` is called once per dead rank (how: ``eof``,
+    ``timeout`` or ``told`` when a neighbour spread the news); ``on_stall(kind, rank,
+    host, **detail)`` once per stall and its end, by exactly one rank.
+    """
+
+    def __init__(self, rank: int, size: int, host: str, address: str, allgather,
+                 heartbeat: Heartbeat, on_death, on_stall=None, stall_after: float = 5.0,
+                 user_timeout_s: float = USER_TIMEOUT_S) -> None:
+        self.rank, self.size, self.heartbeat = rank, size, heartbeat
+        self.on_death, self.on_stall = on_death, on_stall
+        self.watch = StallWatch(stall_after)
+        self.peers: dict[socket.socket, int] = {}
+        self.dead: set[int] = set()
+        self.departed: set[int] = set()
+        self.stalled_anywhere: set[int] = set()   # stalls any rank saw, spread like deaths
+        self.recorded: set[int] = set()           # stalls some rank has recorded
+        self._reported: set[int] = set()
+        self._buffers: dict[socket.socket, bytes] = {}
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
-        self.peers: dict[socket.socket, int] = {}
-        self.hosts: list[str] = []
-        self._buffers: dict[socket.socket, bytes] = {}
-        self._reported: set[int] = set()
-        self.address = host_address(world.host)
-        self._connect(hvd)
-        self._armed.set()
+        self._selector = selectors.DefaultSelector()
+        self._lock = threading.Lock()   # sends come from the watchdog and from close()
+        listener = socket.create_server((address, 0), backlog=max(size, 16))
+        everyone = allgather((address, listener.getsockname()[1], host), "regatta.lifeline")
+        self.hosts = [entry[2] for entry in everyone]
+        self._connect(listener, everyone, user_timeout_s)
         self._thread = threading.Thread(target=self._watch, name="regatta-lifeline", daemon=True)
         self._thread.start()
 
-    def _connect(self, hvd) -> None:
-        listener = socket.create_server((self.address, 0), backlog=self.world.size)
-        mine = (self.address, listener.getsockname()[1], self.world.host)
-        everyone = hvd.allgather_object(mine, name="regatta.lifeline")
-        self.hosts = [host for _, _, host in everyone]
-        for rank, (address, port, _) in enumerate(everyone):   # lower rank dials higher
-            if rank > self.world.rank:
-                sock = socket.create_connection((address, port), timeout=30)
-                sock.sendall(self.world.rank.to_bytes(4, "big"))
-                self.peers[sock] = rank
-        listener.settimeout(30)
-        for _ in range(self.world.rank):
+    def _connect(self, listener: socket.socket, everyone: list, user_timeout_s: float) -> None:
+        """The lower rank of each pair dials, the higher accepts; a 4-byte hello says who."""
+        mine = neighbours(self.rank, self.size)
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        for peer in (p for p in mine if p > self.rank):
+            address, port, _ = everyone[peer]
+            sock = socket.create_connection((address, port), timeout=CONNECT_TIMEOUT_S)
+            sock.sendall(self.rank.to_bytes(4, "big"))
+            self.peers[sock] = peer
+        for _ in (p for p in mine if p < self.rank):
+            listener.settimeout(max(0.1, deadline - time.monotonic()))
             sock, _ = listener.accept()
+            sock.settimeout(max(0.1, deadline - time.monotonic()))
             self.peers[sock] = int.from_bytes(sock.recv(4, socket.MSG_WAITALL), "big")
         listener.close()
         now = time.time()
-        for sock, rank in self.peers.items():
-            sock.settimeout(None)
-            _keepalive(sock)
-            self.watch.heard(rank, 0, False, now)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        for sock, peer in self.peers.items():
+            tune(sock, user_timeout_s)
+            sock.setblocking(False)
+            self._selector.register(sock, selectors.EVENT_READ)
+            self.watch.heard(peer, 0, False, now)
 
+    # -- the watchdog thread -------------------------------------------------------------
     def _watch(self) -> None:
-        next_beat = 0.0
-        while not self._stop.is_set() and self.peers:
-            readable, _, _ = select.select([self._wake_r, *self.peers], [], [], HEARTBEAT_S / 2)
+        next_beat = last_turn = time.time()
+        while not self._stop.is_set():
+            self._drain(HEARTBEAT_S / 2)
             if self._stop.is_set():
                 return
-            for sock in readable:
-                if sock != self._wake_r:
-                    self._read(sock)
             now = time.time()
+            if now - last_turn > self.watch.stall_after / 2:
+                # This thread itself was stopped or starved: silence it saw is its own.
+                self._drain(0)
+                self.watch.forgive(now)
+            last_turn = now
             if now >= next_beat:
-                self._send(PROGRESS)
+                beat = self.heartbeat
+                self._send_all(MESSAGE.pack(PROGRESS, beat.waiting, self.rank, beat.step))
                 next_beat = now + HEARTBEAT_S
                 self._check_stalls(now)
+
+    def _drain(self, timeout: float) -> None:
+        for key, _ in self._selector.select(timeout=timeout):
+            if key.fileobj is not self._wake_r:
+                self._read(key.fileobj)
 
     def _read(self, sock: socket.socket) -> None:
         try:
             data = sock.recv(4096)
+            how = "eof"
+        except BlockingIOError:
+            return
+        except TimeoutError:      # ETIMEDOUT: TCP_USER_TIMEOUT or keepalive gave up
+            data, how = b"", "timeout"
         except OSError:
-            data = b""
+            data, how = b"", "eof"
         if not data:
-            return self._lost(sock, goodbye=False)
+            return self._lost(sock, how)
         buffer = self._buffers.get(sock, b"") + data
-        while len(buffer) >= MESSAGE.size:
-            kind, waiting, step = MESSAGE.unpack(buffer[:MESSAGE.size])
-            buffer = buffer[MESSAGE.size:]
-            if kind == BYE:
-                return self._lost(sock, goodbye=True)
-            self.watch.heard(self.peers[sock], step, bool(waiting), time.time())
-        self._buffers[sock] = buffer
+        usable = len(buffer) - len(buffer) % MESSAGE.size
+        self._buffers[sock] = buffer[usable:]
+        for offset in range(0, usable, MESSAGE.size):
+            kind, waiting, subject, step = MESSAGE.unpack_from(buffer, offset)
+            if not self._handle(sock, kind, waiting, subject, step):
+                return
 
-    def _lost(self, sock: socket.socket, goodbye: bool) -> None:
-        rank = self.peers.pop(sock)
+    def _handle(self, sock, kind: bytes, waiting: int, subject: int, step: int) -> bool:
+        """Act on one message; False once ``sock`` is gone."""
+        if kind == PROGRESS:
+            self.watch.heard(self.peers[sock], step, bool(waiting), time.time())
+        elif kind == BYE:
+            self.departed.add(self.peers[sock])
+            self._drop(sock)
+            return False
+        elif kind == DEAD:
+            self._declare_dead(subject, "told", via=sock)
+        elif kind == STALL and (subject not in self.stalled_anywhere
+                                or (waiting and subject not in self.recorded)):
+            self.stalled_anywhere.add(subject)
+            if waiting:
+                self.recorded.add(subject)
+            self._send_all(MESSAGE.pack(STALL, waiting, subject, 0), skip=sock)
+        elif kind == CLEAR and subject in self.stalled_anywhere | self.recorded:
+            self.stalled_anywhere.discard(subject)
+            self.recorded.discard(subject)
+            self._send_all(MESSAGE.pack(CLEAR, 0, subject, 0), skip=sock)
+        return True
+
+    def _lost(self, sock: socket.socket, how: str) -> None:
+        rank = self.peers.get(sock)
+        self._drop(sock)
+        if rank is not None and rank not in self.departed:
+            self._declare_dead(rank, how)
+
+    def _drop(self, sock: socket.socket) -> None:
+        rank = self.peers.pop(sock, None)
         self._buffers.pop(sock, None)
         self.watch.peers.pop(rank, None)
+        self.watch.stalled.pop(rank, None)
+        try:
+            self._selector.unregister(sock)
+        except (KeyError, ValueError):
+            pass
         sock.close()
-        if not goodbye and self._armed.is_set():
-            self._armed.clear()
-            severed = sever(self.gloo)
-            self.on_death(rank, self.hosts[rank], severed, time.time())
 
-    def _send(self, kind: bytes) -> None:
-        beat = self.heartbeat
-        message = MESSAGE.pack(kind, beat.waiting, beat.step)
-        for sock in list(self.peers):
-            try:
-                sock.sendall(message)
-            except OSError:
-                pass   # a dead peer shows up as EOF on the read side
+    def _declare_dead(self, rank: int, how: str, via: socket.socket | None = None) -> None:
+        if rank in self.dead or rank == self.rank:
+            return
+        self.dead.add(rank)
+        self._send_all(MESSAGE.pack(DEAD, 0, rank, 0), skip=via)
+        self._call(self.on_death, rank, self.hosts[rank], how, time.time())
+
+    @staticmethod
+    def _call(callback, *args, **kwargs) -> None:
+        """The owner's callback; a bug there must not stop failure detection."""
+        try:
+            callback(*args, **kwargs)
+        except Exception:   # noqa: BLE001
+            import traceback
+            traceback.print_exc()
+
+    def _send_all(self, message: bytes, skip: socket.socket | None = None) -> None:
+        broken = []
+        with self._lock:
+            for sock in list(self.peers):
+                if sock is skip:
+                    continue
+                try:
+                    sock.send(message)
+                except (BlockingIOError, InterruptedError):
+                    pass   # a peer this far behind is stopped; a heartbeat less is harmless
+                except TimeoutError:   # the kernel gave up on this peer: it vanished
+                    broken.append(sock)
+                except OSError:
+                    pass   # a closed lifeline shows up as EOF on the read side
+        for sock in broken:
+            if sock in self.peers and not self._stop.is_set():
+                self._lost(sock, "timeout")
 
     def _check_stalls(self, now: float) -> None:
+        """Spread what this rank sees, then record the stalls that are this rank's to
+        record (re-checked every beat: the watcher before it may have stalled since)."""
         new, cleared = self.watch.check(self.heartbeat, now)
-        if self.on_stall is None or not self._armed.is_set():
+        for rank, _, _ in new:
+            self.stalled_anywhere.add(rank)
+            self._send_all(MESSAGE.pack(STALL, 0, rank, 0))
+        for rank in cleared:
+            self.stalled_anywhere.discard(rank)
+            self.recorded.discard(rank)
+            self._send_all(MESSAGE.pack(CLEAR, 0, rank, 0))
+            if rank in self._reported:   # whoever recorded a stall records its end
+                self._reported.discard(rank)
+                self._call(self.on_stall, "stall_cleared", rank, self.hosts[rank])
+        if self.on_stall is None:
             return
-        if self.watch.i_report(self.world.rank):
-            for rank, reason, seconds in new:
-                self._reported.add(rank)
-                self.on_stall("stall", rank, self.hosts[rank], reason=reason, silent_s=seconds)
-        for rank in set(cleared) & self._reported:   # whoever reported a stall clears it
-            self._reported.discard(rank)
-            self.on_stall("stall_cleared", rank, self.hosts[rank])
+        for rank, reason in list(self.watch.stalled.items()):
+            if rank in self.recorded or not self._reports(rank):
+                continue
+            self.recorded.add(rank)
+            self._reported.add(rank)
+            self._send_all(MESSAGE.pack(STALL, 1, rank, 0))
+            peer = self.watch.peers[rank]
+            self._call(self.on_stall, "stall", rank, self.hosts[rank], reason=reason,
+                       silent_s=now - min(peer.heard_at, peer.changed_at))
 
-    def disarm(self) -> None:
-        """Membership is changing on purpose: a closing lifeline means nothing now."""
-        self._armed.clear()
+    def _reports(self, rank: int) -> bool:
+        unable = self.stalled_anywhere | self.dead | self.departed
+        return first_healthy(watchers(rank, self.size), unable) == self.rank
 
+    # -- the owner's side ----------------------------------------------------------------
     def close(self, goodbye: bool = False) -> None:
-        self._armed.clear()
+        """Stop watching; ``goodbye`` tells the neighbours this rank leaves on purpose.
+        Once: a second call must not touch fds that were this one's."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         os.write(self._wake_w, b"x")
-        self._thread.join(timeout=1)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=2)
         if goodbye:
-            self._send(BYE)
+            self._send_all(MESSAGE.pack(BYE, 0, self.rank, 0))
         for sock in list(self.peers):
             sock.close()
+        self.peers.clear()
+        self._selector.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
-
-
-class FastRecovery:
-    """Glue for the training loop: which sockets are Gloo's, and the current lifeline."""
-
-    def __init__(self, events, heartbeat: Heartbeat, stall_after: float = 5.0) -> None:
-        self.events, self.heartbeat, self.stall_after = events, heartbeat, stall_after
-        self.baseline = ConnectionBaseline()
-        self.lifeline: Lifeline | None = None
-
-    def before_init(self) -> None:
-        """Call before anything (re)initialises Horovod: a restore, a planned reset."""
-        if self.lifeline is not None:
-            self.lifeline.disarm()
-        self.baseline.mark()
-
-    def enter(self, hvd, world) -> None:
-        """Call on (re)entering the training loop, after ``hvd.init`` and sync."""
-        if self.lifeline is not None:
-            self.lifeline.close()
-        gloo = self.baseline.gloo_connections(exclude_fds=set())
-        self.lifeline = Lifeline(hvd, world, gloo, self._on_death, self.heartbeat,
-                                 self._on_stall, self.stall_after)
-        self.events.record("lifeline", None, peers=len(self.lifeline.peers), gloo_sockets=len(gloo))
-
-    def _on_death(self, rank: int, host: str, severed: int, when: float) -> None:
-        self.events.record("peer_lost", self.heartbeat.step, peer_rank=rank, target=host,
-                           severed=severed)
-
-    def _on_stall(self, kind: str, rank: int, host: str, **detail) -> None:
-        self.events.record(kind, self.heartbeat.step, stalled_rank=rank, target=host, **detail)
-
-    def close(self) -> None:
-        if self.lifeline is not None:
-            self.lifeline.close(goodbye=True)
-            self.lifeline = None

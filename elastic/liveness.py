@@ -1,6 +1,8 @@
 """Stall detection from the progress every rank announces on its lifelines.
 
-Each rank's lifeline watchdog sends its (step, waiting-in-collective) twice a second.
+Each rank's lifeline watchdog sends its (step, waiting-in-collective) to its lifeline
+neighbours four times a second; every rank is watched by its neighbours, and the first
+of them that is not itself stalled records the stall (lifeline.watchers gives the order).
 A peer is *stalled* when it has been silent for ``stall_after`` seconds (SIGSTOPped, or
 its whole interpreter hung), or when it has not moved for that long while not waiting in
 the collective this rank has been waiting in for as long (a hung data loader, a stuck
@@ -45,6 +47,12 @@ class StallWatch:
         changed = last is None or (last.step, last.waiting) != (step, waiting)
         self.peers[rank] = PeerProgress(step, waiting, now, now if changed else last.changed_at)
 
+    def forgive(self, now: float) -> None:
+        """This rank was not looking (stopped, starved): judge everyone afresh from now."""
+        for peer in self.peers.values():
+            peer.heard_at = max(peer.heard_at, now)
+            peer.changed_at = max(peer.changed_at, now)
+
     def check(self, mine: Heartbeat, now: float) -> tuple[list, list]:
         """Ranks newly stalled (with reasons) and ranks that came back."""
         new, cleared = [], []
@@ -63,6 +71,9 @@ class StallWatch:
                 cleared.append(rank)
         return new, cleared
 
-    def i_report(self, my_rank: int) -> bool:
-        """Only the lowest rank that is not stalled records, so each stall is one event."""
-        return all(rank > my_rank for rank in self.peers if rank not in self.stalled)
+
+
+def first_healthy(order: list[int], unable: set[int]) -> int | None:
+    """The first rank of ``order`` that can still speak: the one that records a stall, so
+    that each stall is one event although several ranks see it."""
+    return next((rank for rank in order if rank not in unable), None)

@@ -14,13 +14,16 @@ between any two of its children.
 from __future__ import annotations
 
 import math
+import sys
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from elastic.config import ConfigError
+import regatta
+from regatta import ConfigError
 
 
 @dataclass
@@ -144,11 +147,9 @@ PIPELINE_FLAGS = {"pp": ("pipeline.pp", int), "dp": ("pipeline.dp", int),
 
 
 def parse_config(argv: list[str] | None = None) -> dict:
-    from elastic.pipeline.config import PipelineConfig
-    from elastic.pipeline.planner import PlannerConfig
-    from jobs.common import parse
-    return parse("charlm", {"model": CharLMConfig, "pipeline": PipelineConfig,
-                            "planner": PlannerConfig}, argv, flags=PIPELINE_FLAGS)
+    return regatta.config({"model": CharLMConfig, "pipeline": regatta.PipelineConfig,
+                           "planner": regatta.PlannerConfig}, argv,
+                          toml=str(Path(__file__).with_suffix(".toml")), flags=PIPELINE_FLAGS)
 
 
 def pipeline_job(argv: list[str] | None = None) -> tuple:
@@ -159,26 +160,11 @@ def pipeline_job(argv: list[str] | None = None) -> tuple:
 
 def main(argv: list[str] | None = None) -> dict:
     config = parse_config(argv)
-    train, model, pipe = config["train"], config["model"], config["pipeline"]
-    if pipe.pipelined:
-        # Imported only here: an mpirun pipeline never initialises Horovod.
-        import sys
-        from elastic.metrics import PipelineReporter
-        from elastic.pipeline.trainer import run_pipeline
-        reporter = PipelineReporter(train, "charlm")
-        finished = False
-        try:
-            result = run_pipeline(CharLMJob(model), train, pipe, on_metrics=reporter,
-                                  planner=config["planner"])
-            finished = True
-            return result
-        except ConfigError as err:   # the plan does not fit this world or model
-            print(f"config error: {err}", file=sys.stderr)
-            raise SystemExit(2)
-        finally:
-            reporter.close(finished)
-    from elastic import runner
-    return runner.run(CharLMJob(model), train)
+    try:
+        return regatta.train(CharLMJob(config["model"]), config)
+    except ConfigError as err:   # a pipeline plan that does not fit this world: not worth a retry
+        print(f"config error: {err}", file=sys.stderr)
+        raise SystemExit(2)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from sklearn.datasets import load_digits
 from torch import nn
 
-from elastic.config import ConfigError
+import regatta
+from regatta import ConfigError
 
 
 @dataclass
@@ -76,11 +78,8 @@ class DigitsJob:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from elastic import runner
-    from jobs.common import parse
-    config = parse("digits", {"model": DigitsConfig}, argv)
-    train, model = config["train"], config["model"]
-    return runner.run(DigitsJob(model), train)
+    config = regatta.config({"model": DigitsConfig}, argv, toml=str(Path(__file__).with_suffix(".toml")))
+    return regatta.train(DigitsJob(config["model"]), config)
 
 
 if __name__ == "__main__":

@@ -8,11 +8,19 @@ the destination answers again. If the queue is full, ``emit`` spills the row str
 the spool rather than block training. The destination ignores uids it has already
 stored, so replays and retries are exactly-once.
 
+Each spool file is named ``<tag>.<producer>.jsonl`` in the spool folder, the tag a hash of
+the destination, and ``<tag>.dest`` beside it (written when rows are first spooled) names
+the destination, so that ``regatta replay`` (monitor.replay) can deliver what a finished
+producer left behind.
+
+When the spool itself cannot be written (a full disk), undelivered rows are held in
+memory (up to ``queue_size``; beyond that they are dropped and counted in ``dropped``),
+one warning says so, and spooling is retried with the same backoff as delivery.
+
 The implementations (SQLiteSink, HttpSink) and ``make_sink`` live in monitor.sink.
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import logging
@@ -20,13 +28,13 @@ import os
 import queue
 import secrets
 import socket
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from monitor.spool import Spool
+from monitor.spool import (Spool, default_spool_dir, forget_destination,
+                           record_destination, spool_tag)
 from monitor.store import validate_row
 
 log = logging.getLogger("regatta.monitor.sink")
@@ -36,11 +44,6 @@ _FLUSH, _STOP = object(), object()  # queue markers for the worker
 def default_producer_id() -> str:
     """Unique per process *instance*: a restarted worker must not reuse old uids."""
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-
-
-def default_spool_dir() -> str:
-    return os.environ.get("REGATTA_SPOOL_DIR") or os.path.join(tempfile.gettempdir(),
-                                                              "regatta-spool")
 
 
 @dataclass
@@ -57,6 +60,10 @@ class SinkConfig:
 
 class Rejected(Exception):
     """The destination refused a batch for good (invalid rows): retrying cannot help."""
+
+
+class NotYet(Exception):
+    """The destination cannot take the batch yet (its run row has not arrived): retry."""
 
 
 class Sink:
@@ -92,13 +99,22 @@ class QueuedSink(Sink):
         self._accepted = self._handled = 0  # rows queued / rows delivered or spooled
         self._retry_at, self._delay, self._failing = 0.0, 0.0, False
         self.failures = 0  # failed delivery attempts, for tests and health reporting
+        self.dropped = 0   # rows lost because neither the destination nor the disk took them
+        self._held: list = []   # rows the spool could not take (full disk)
+        self._held_lock = threading.Lock()
+        self._disk_failing = False
         self._closed = False
+        self._destination, self._recorded = destination, spool_path is not None
         if spool_path is None:  # auto-named: also adopt what dead producers left behind
-            tag = hashlib.sha1(destination.encode()).hexdigest()[:10]
+            tag = spool_tag(destination)
             folder = spool_dir or default_spool_dir()
             spool_path = os.path.join(folder, f"{tag}.{self.config.producer_id}.jsonl")
             self._spool = Spool(spool_path)
-            self._spool.adopt(f"{tag}.*.jsonl")
+            try:
+                self._spool.adopt(f"{tag}.*.jsonl")
+            except OSError as exc:   # a full disk: leave them for a later replay
+                log.warning("sink %s: cannot adopt spooled rows in %s: %s", destination,
+                            folder, exc)
         else:
             self._spool = Spool(spool_path)
         self._thread = threading.Thread(target=self._run, daemon=True,
@@ -121,7 +137,7 @@ class QueuedSink(Sink):
         try:
             self._queue.put_nowait(row)
         except queue.Full:  # the worker is behind: go to disk, never wait
-            self._spool.append([row])
+            self._keep([row])
             return
         with self._cond:
             self._accepted += 1
@@ -160,9 +176,15 @@ class QueuedSink(Sink):
             log.warning("sink %s: worker still busy after close(%s)", self, timeout)
             return
         if len(self._spool):
-            log.warning("%d undelivered rows stay in %s for a later replay",
-                        len(self._spool), self._spool.path)
+            log.warning("%d undelivered rows stay in %s for `regatta replay` (or the next "
+                        "sink or server start)", len(self._spool), self._spool.path)
+        if self._held:
+            log.error("sink %s: %d rows held in memory are lost (the spool %s could not be "
+                      "written)", self, len(self._held), self._spool.path)
         self._spool.close()
+        if self._recorded and not len(self._spool):
+            forget_destination(os.path.dirname(os.path.abspath(self._spool.path)),
+                               spool_tag(self._destination))
 
     # -- worker thread ---------------------------------------------------------------
 
@@ -209,42 +231,97 @@ class QueuedSink(Sink):
 
     def _handle(self, batch: list) -> None:
         if time.monotonic() < self._retry_at:  # known down: do not wait on it again
-            self._spool.append(batch)
+            self._keep(batch)
             return
         try:
             self._deliver(batch)
         except Rejected as exc:
             self._reject(batch, exc)
         except Exception as exc:  # noqa: BLE001 - any failure means "keep it for later"
-            self._spool.append(batch)
+            self._keep(batch)
             self._failed(exc)
         else:
             self._succeeded()
 
+    def _keep(self, rows: list) -> None:
+        """Spool rows for later; if the spool cannot be written, hold them in memory."""
+        if not self._recorded:   # the first rows spooled: say where they were going
+            record_destination(os.path.dirname(os.path.abspath(self._spool.path)),
+                               self._destination)
+            self._recorded = True
+        try:
+            self._spool.append(rows)
+        except OSError as exc:
+            with self._held_lock:
+                room = max(0, self.config.queue_size - len(self._held))
+                self._held.extend(rows[:room])
+                self.dropped += len(rows) - len(rows[:room])
+            if not self._disk_failing:   # once per outage, never a traceback per batch
+                log.warning("sink %s: cannot write the spool %s (%s); holding up to %d rows "
+                            "in memory (the rest are dropped) and retrying every %.1f-%.0f s",
+                            self, self._spool.path, exc, self.config.queue_size,
+                            self.config.retry_min, self.config.retry_max)
+            self._disk_failing = True
+            if time.monotonic() >= self._retry_at:
+                self._failed(exc)
+
+    def _retry_held(self) -> bool:
+        """Deliver (or at least spool) the rows held in memory; False if they are still held."""
+        with self._held_lock:
+            held, self._held = self._held, []
+        if not held:
+            return True
+        try:
+            self._deliver(held)
+        except Rejected as exc:
+            self._reject(held, exc)
+        except Exception as exc:  # noqa: BLE001
+            self._keep(held)
+            self._failed(exc)
+            if self._held:
+                return False
+        if self._disk_failing and not self._held:
+            log.warning("sink %s: rows flow again; %d rows were dropped while the spool could "
+                        "not be written", self, self.dropped)
+            self._disk_failing = False
+        return True
+
     def _replay(self, force: bool = False) -> None:
         """Deliver the spool oldest first until empty or the destination fails again."""
-        if not len(self._spool) or (not force and time.monotonic() < self._retry_at):
+        if not force and time.monotonic() < self._retry_at:
             return
-        while len(self._spool):
+        if not self._retry_held() or not len(self._spool):
+            return
+        waiting = 0   # rows moved to the back because their run row is not stored yet
+        while len(self._spool) > waiting:
             rows, token = self._spool.peek(self.config.batch_size)
             try:
                 if rows:
                     self._deliver(rows)
             except Rejected as exc:
                 self._reject(rows, exc)
+            except NotYet:   # let the rows behind them through; they come round again
+                self._spool.append(rows)
+                waiting += len(rows)
             except Exception as exc:  # noqa: BLE001
                 self._failed(exc)
                 return
             self._spool.consume(token)
-        self._succeeded()
+        if waiting:
+            self._failed(NotYet(f"{waiting} rows wait for their run row"))
+        else:
+            self._succeeded()
 
     def _failed(self, exc: Exception) -> None:
         self.failures += 1
         self._delay = min(self.config.retry_max, max(self.config.retry_min, self._delay * 2))
         self._retry_at = time.monotonic() + self._delay
+        if isinstance(exc, OSError) and self._disk_failing:
+            return   # said already, by _keep
         if not self._failing:  # once per outage, not once per batch
-            log.warning("sink %s: delivery failed (%s); spooling to %s", self, exc,
-                        self._spool.path)
+            level = logging.INFO if isinstance(exc, NotYet) else logging.WARNING
+            log.log(level, "sink %s: delivery %s (%s); spooling to %s", self,
+                    "waits" if isinstance(exc, NotYet) else "failed", exc, self._spool.path)
         self._failing = True
 
     def _succeeded(self) -> None:
@@ -255,8 +332,11 @@ class QueuedSink(Sink):
     def _reject(self, rows: list, exc: Exception) -> None:
         """Keep refused rows aside for a human instead of retrying them forever."""
         path = self._spool.path + ".rejected"
-        with open(path, "a", encoding="utf-8") as fh:
-            fh.writelines(json.dumps(r) + "\n" for r in rows)
+        try:
+            with open(path, "a", encoding="utf-8") as fh:
+                fh.writelines(json.dumps(r) + "\n" for r in rows)
+        except OSError as err:
+            path = f"nowhere ({err})"
         log.error("sink %s: %d rows rejected (%s); kept in %s", self, len(rows), exc, path)
 
     def _deliver(self, rows: list[dict]) -> None:

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import fcntl
 import glob
+import hashlib
 import json
 import logging
 import os
+import tempfile
 import threading
 
 log = logging.getLogger("regatta.monitor.spool")
 
 
-def _lock(fh) -> bool:
+def try_lock(fh) -> bool:
     """Take the exclusive lock without waiting; False if another owner holds it."""
     try:
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -32,7 +34,7 @@ def _encode(rows: list[dict]) -> bytes:
     return b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in rows)
 
 
-def _decode(lines: list[bytes], path: str) -> list[dict]:
+def decode_lines(lines: list[bytes], path: str) -> list[dict]:
     rows = []
     for line in lines:
         try:
@@ -50,7 +52,7 @@ class Spool:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self._mutex = threading.Lock()
         self._fh = open(path, "a+b")
-        if not _lock(self._fh):
+        if not try_lock(self._fh):
             self._fh.close()
             raise RuntimeError(f"spool {path} is owned by another live process")
         self._fh.seek(0)
@@ -66,28 +68,39 @@ class Spool:
         return self._pending
 
     def append(self, rows: list[dict]) -> None:
-        """Add rows at the end (written through to the OS before returning)."""
+        """Add rows at the end (written through to the OS before returning); on OSError
+        (a full disk) nothing of them is left in the file."""
         if not rows:
             return
-        data = _encode(rows)
+        data = memoryview(_encode(rows))
         with self._mutex:
-            self._fh.seek(0, os.SEEK_END)
-            self._fh.write(data)
-            self._fh.flush()
+            fd = self._fh.fileno()   # opened for appending: every write lands at the end
+            size = os.fstat(fd).st_size
+            try:
+                while data:
+                    data = data[os.write(fd, data):]
+            except OSError:
+                os.ftruncate(fd, size)   # a full disk leaves no torn line behind
+                raise
             self._pending += len(rows)
 
     def peek(self, n: int) -> tuple[list[dict], tuple[int, int]]:
         """Up to n oldest undelivered rows, and a token to pass to ``consume``."""
-        with self._mutex:
-            self._fh.seek(self._offset)
-            lines = []
+        with self._mutex:   # pread: appends go through os.write, not a read buffer
+            fd, pos, lines, tail = self._fh.fileno(), self._offset, [], b""
             while len(lines) < n:
-                line = self._fh.readline()
-                if not line:
+                chunk = os.pread(fd, 1 << 20, pos)
+                if not chunk:
                     break
-                lines.append(line)
+                pos += len(chunk)
+                parts = (tail + chunk).split(b"\n")
+                tail = parts.pop()
+                lines += [p + b"\n" for p in parts]
+            if len(lines) < n and tail:
+                lines.append(tail)   # a last line without its newline (torn)
+            lines = lines[:n]
             end = self._offset + sum(len(line) for line in lines)
-        return _decode(lines, self.path), (end, len(lines))
+        return decode_lines(lines, self.path), (end, len(lines))
 
     def consume(self, token: tuple[int, int]) -> None:
         """Mark the rows returned by the ``peek`` that gave ``token`` as delivered."""
@@ -102,21 +115,29 @@ class Spool:
 
     def adopt(self, pattern: str) -> int:
         """Move rows of dead producers' spools (glob ``pattern`` in this spool's folder)
-        into this one and delete them. Returns the number of rows adopted."""
-        adopted = 0
+        into this one and delete them. Run rows go first: another producer's steps may
+        need them. Returns the number of rows adopted."""
         folder = os.path.dirname(os.path.abspath(self.path))
-        for other in sorted(glob.glob(os.path.join(folder, pattern))):
-            if os.path.abspath(other) == os.path.abspath(self.path):
-                continue
-            with open(other, "rb") as fh:
-                if not _lock(fh):
+        taken, rows = [], []
+        try:
+            for other in sorted(glob.glob(os.path.join(folder, pattern))):
+                if os.path.abspath(other) == os.path.abspath(self.path):
+                    continue
+                fh = open(other, "rb")
+                if not try_lock(fh):
+                    fh.close()
                     continue  # its producer is alive
-                rows = _decode(fh.read().splitlines(), other)
-                self.append(rows)  # a crash before the unlink only causes repeats
+                taken.append((other, fh))
+                rows += decode_lines(fh.read().splitlines(), other)
+            rows.sort(key=lambda r: not (isinstance(r, dict) and r.get("type") == "run"))
+            self.append(rows)  # a crash before the unlinks only causes repeats
+            for other, _ in taken:
                 os.unlink(other)
-            adopted += len(rows)
-            log.info("adopted %d rows from %s", len(rows), other)
-        return adopted
+                log.info("adopted the rows of %s", other)
+        finally:
+            for _, fh in taken:
+                fh.close()
+        return len(rows)
 
     def close(self) -> None:
         """Release the file (and its lock); an empty spool is removed."""
@@ -127,3 +148,40 @@ class Spool:
             if empty:
                 os.unlink(self.path)  # while still locked, so nobody adopts a ghost
             self._fh.close()
+
+
+# -- where spools live and what they were for (monitor.replay reads it) ---------------
+
+def default_spool_dir() -> str:
+    return os.environ.get("REGATTA_SPOOL_DIR") or os.path.join(tempfile.gettempdir(),
+                                                              "regatta-spool")
+
+
+def spool_tag(destination: str) -> str:
+    return hashlib.sha1(destination.encode()).hexdigest()[:10]
+
+
+def forget_destination(folder: str, tag: str) -> None:
+    """Remove ``<tag>.dest`` once no spool file of that destination is left."""
+    if glob.glob(os.path.join(folder, f"{tag}.*.jsonl*")):
+        return
+    try:
+        os.unlink(os.path.join(folder, f"{tag}.dest"))
+    except OSError:
+        pass
+
+
+def record_destination(folder: str, destination: str) -> None:
+    """Write ``<tag>.dest`` (once) so a later replay knows where the tag's rows go."""
+    path = os.path.join(folder, spool_tag(destination) + ".dest")
+    if os.path.exists(path):
+        return
+    try:
+        os.makedirs(folder, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(destination + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:   # a full disk: the replay can still be told the destination
+        log.warning("cannot record the destination of spool tag %s in %s: %s",
+                    spool_tag(destination), folder, exc)

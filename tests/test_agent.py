@@ -1,5 +1,6 @@
 """Warm agents and the worker shim: a forked worker behaves like a fresh process to
 horovodrun (output, exit status, signals), and without an agent the shim just execs."""
+import json
 import signal
 import subprocess
 import time
@@ -53,3 +54,29 @@ def test_sigterm_to_the_shim_reaches_the_worker(agent, tmp_path):
     time.sleep(3)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == -signal.SIGTERM
+
+
+def test_one_warm_process_forks_an_agent_per_host_and_names_one_that_failed(tmp_path):
+    """``--hosts-on-stdin``: each host's agent is forked from the warm process, named after
+    its host, serves workers; one that cannot start says so instead of leaving the
+    launcher waiting."""
+    host = f"fork-test-{time.monotonic_ns() % 10**6}"
+    proc = subprocess.Popen([PYTHON, "-m", "elastic.launch.agent", "--hosts-on-stdin",
+                             "--preload", "jobs.digits"], cwd=ROOT, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert json.loads(proc.stdout.readline()) == {"ready": proc.pid, "host": None}
+        proc.stdin.write(json.dumps({"host": host, "netns": None}) + "\n")
+        proc.stdin.write(json.dumps({"host": "no-such-ns", "netns": 2 ** 22 + 1}) + "\n")
+        proc.stdin.flush()
+        said = [json.loads(proc.stdout.readline()) for _ in range(2)]
+        ready = next(m for m in said if m.get("host") == host)
+        (failed,) = [m for m in said if "failed" in m]
+        assert failed["failed"] == "no-such-ns" and "FileNotFoundError" in failed["error"]
+        assert open(f"/proc/{ready['ready']}/comm").read().strip() == host[:15]
+        worker = shim(host, tmp_path)
+        assert worker.wait(timeout=120) == 0 and (tmp_path / "result.json").exists()
+        spawned, ended = (json.loads(proc.stdout.readline()) for _ in range(2))
+        assert spawned["host"] == host and ended == {"exit": spawned["spawn"], "code": 0}
+    finally:
+        kill_tree(proc.pid)

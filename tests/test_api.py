@@ -1,6 +1,7 @@
-"""The read API through Flask's test client, on a store filled by a real short training
-run (`python -m jobs.digits --steps 40 ...`) plus simulated elastic and pipeline runs
-(tests/webui_fixtures.py). Every assertion compares with numbers read from the store."""
+"""The API through Flask's test client, on a store filled by a real short training run
+(`python -m jobs.digits --steps 40 ...`) plus simulated elastic, pipeline, failed and lost
+runs (tests/webui_fixtures.py), once on SQLite and once on PostgreSQL. Every assertion
+compares with numbers read from the store."""
 import csv
 import io
 import json
@@ -17,14 +18,16 @@ from monitor.store import Store
 from webui import create_app
 
 
-@pytest.fixture(scope="session")
-def data(tmp_path_factory):
-    return webui_fixtures.build(tmp_path_factory.mktemp("webui"))
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def data(request, tmp_path_factory):
+    pg = request.getfixturevalue("postgres") if request.param == "postgresql" else None
+    return webui_fixtures.build_on(request.param, tmp_path_factory.getbasetemp() / "webui", pg)
 
 
 @pytest.fixture(scope="module")
 def client(data):
-    app = create_app({"db": data["db"], "ingest_token": "t0ken"})
+    app = create_app({"db": data["db"], "ingest_token": "t0ken",
+                      "lost_after_s": webui_fixtures.LOST_AFTER_S})
     yield app.test_client()
     app.extensions["regatta_store"].close()
 
@@ -69,17 +72,28 @@ def test_runs_list_summaries(client, data, store):
     elastic = runs[data["elastic"]]
     assert (elastic["world_size"], elastic["world_size_min"], elastic["world_size_max"]) == (6, 4, 6)
     assert (elastic["failures"], elastic["failures_survived"]) == (1, 1)
-    assert elastic["status"] == "running"
+    assert (elastic["status"], elastic["name"], elastic["tags"]) == ("running", "elastic demo",
+                                                                     ["demo", "elastic"])
     failed = runs[data["failed"]]
     assert (failed["status"], failed["failures"], failed["failures_survived"]) == ("failed", 1, 0)
+    assert failed["error"] == "CUDA out of memory"
     assert failed["duration_s"] == pytest.approx(failed["finished_at"] - failed["started_at"])
+    assert runs[data["lost"]]["status"] == "lost"   # running, silent for three days
 
 
 def test_one_run(client, data, store):
     run = get(client, f"/api/v1/runs/{data['elastic']}")
     assert run["step_rows"] == store.count("step", data["elastic"])
-    assert run["hosts"] == ["host-a", "host-b", "host-c", "host-d"]
+    assert run["hosts"] == ["host-a", "host-b", "host-c"]
     assert run["failures_survived"] == 1
+    assert run["config"]["model"] == {"hidden": 512} and run["code_revision"] == "0123abc"
+    # processes are host:slot; their rank now is the one of their newest step
+    newest = {}
+    for r in stored_steps(store, data["elastic"]):
+        key = f"{r['host']}:{r['slot']}"
+        if key not in newest or r["wall_time"] >= newest[key]["wall_time"]:
+            newest[key] = r
+    assert {p["key"]: p["rank"] for p in run["processes"]} == {k: r["rank"] for k, r in newest.items()}
     assert get(client, "/api/v1/runs/nope", 404)["error"] == "no run 'nope'"
 
 
@@ -163,15 +177,20 @@ def test_recoveries_measure_each_phase_from_the_stored_events(client, data, stor
     rows = get(client, f"/api/v1/runs/{run}/recoveries")["recoveries"]
     assert [r["kind"] for r in rows] == ["failure", "host_added"]
     row = rows[0]
-    assert (row["host"], row["step"], row["ranks"]) == ("host-b", 28, 2)
-    assert row["detected_s"] == pytest.approx(first("peer_lost", "restore"))
+    # recorded by rank 0 on host-a, about host-b: the row names the host that died
+    assert (row["host"], row["step"], row["fault"]) == ("host-b", 28, "kill")
+    # measured from the kill the worker recorded, not from when the failure was noticed
+    kill = min(e["wall_time"] for e in events if e["kind"] == "kill_injected")
+    assert row["wall_time"] == pytest.approx(kill) and kill < t
+    t = kill
+    assert row["detected_s"] == pytest.approx(first("peer_lost", "restore")) == pytest.approx(0.15)
     assert row["reset_done_s"] == pytest.approx(first("reset"))
     assert row["state_synced_s"] == pytest.approx(first("sync"))
     assert row["first_step_done_s"] == pytest.approx(first("resumed"))
     restore = next(e for e in events if e["kind"] == "restore")
     assert row["steps_redone"] == restore["detail"]["steps_redone"] == 3
     assert (row["size_before"], row["size_after"]) == (6, 4)
-    assert (rows[1]["host"], rows[1]["size_after"]) == ("host-d", 6)
+    assert (rows[1]["host"], rows[1]["size_after"]) == ("host-b", 6)
 
 
 def test_pipeline_per_stage(client, data, store):
@@ -218,23 +237,28 @@ def test_json_export(client, data, store):
     ("events?kinds=Bad!", "kinds"), ("events?since=x", "since"),
     ("imbalance?max_points=99999", "max_points"),
     ("timeline?since=soon", "since"), ("export.csv?kind=bogus", "kind"), ("recoveries?x=1", "x"),
+    ("hosts?since=soon", "since"), ("hosts?max_points=-3", "max_points"),
 ])
 def test_bad_parameters_are_400_naming_the_parameter(client, data, query, parameter):
     body = get(client, f"/api/v1/runs/{data['main']}/{query}", 400)
     assert body["parameter"] == parameter and f"'{parameter}'" in body["error"]
 
 
-@pytest.mark.parametrize("url", ["series", "events", "recoveries", "export.csv", "export.json"])
+@pytest.mark.parametrize("url", ["series", "events", "recoveries", "export.csv", "export.json",
+                                 "hosts"])
 def test_unknown_run_is_404(client, url):
     assert "no run 'ghost'" in get(client, f"/api/v1/runs/ghost/{url}", 404)["error"]
 
 
 def test_read_endpoints_are_read_only(client, data, store):
     before = (store.count("run"), store.count("step"))
-    for url in ("/api/v1/runs", f"/api/v1/runs/{data['main']}", f"/api/v1/runs/{data['main']}/series",
-                "/api/v1/export.csv"):
+    for url in ("/api/v1/runs", f"/api/v1/runs/{data['main']}/series", "/api/v1/export.csv"):
         for method in (client.post, client.put, client.delete, client.patch):
-            assert method(url, json={"rows": []}).status_code == 405
+            response = method(url, json={"rows": []})
+            assert response.status_code == 405 and "not allowed" in response.get_json()["error"]
+    for method in (client.delete, client.patch):   # edits need the token
+        response = method(f"/api/v1/runs/{data['main']}", json={"notes": "x"})
+        assert response.status_code == 401
     assert (store.count("run"), store.count("step")) == before
 
 
@@ -246,3 +270,44 @@ def test_pages_and_local_plotly(client, data):
         html = client.get(url).get_data(as_text=True)
         assert '<script src="/vendor/plotly.min.js" defer></script>' in html
     assert client.get("/runs/ghost").status_code == 404
+
+
+def test_custom_metrics_and_event_kinds(client, data, store):
+    run = data["elastic"]
+    names = get(client, f"/api/v1/runs/{run}/metrics/custom")["names"]
+    assert names == [{"name": "eval/loss", "count": store.count("metric", run)}]
+    body = get(client, f"/api/v1/runs/{run}/metrics/custom?name=eval/loss")
+    rows = [e for e in store.export_rows("metric", run)[1]]
+    assert body["value"] == [r.value for r in rows] and body["step"] == [r.step for r in rows]
+    tail = get(client, f"/api/v1/runs/{run}/metrics/custom?name=eval/loss&since={rows[-2].id}")
+    assert tail["value"] == [rows[-1].value] and tail["cursor"] == rows[-1].id
+    from monitor import event_kinds
+    assert get(client, "/api/v1/event-kinds") == event_kinds.as_json()
+    script = client.get("/vendor/event-kinds.js").get_data(as_text=True)
+    assert script.startswith("const EVENT_KINDS = ") and '"failure": {"klass": "major"' in script
+
+
+@pytest.mark.parametrize("query, ids", [
+    ("q=DEMO", ["elastic"]), ("tag=demo", ["elastic"]), ("status=lost", ["lost"]),
+    ("status=failed", ["failed"]), ("job=charlm", ["pipeline"]), ("q=no-such-thing", []),
+])
+def test_runs_search_and_filters(client, data, query, ids):
+    body = get(client, "/api/v1/runs?" + query)
+    assert sorted(r["id"] for r in body["runs"]) == sorted(data[k] for k in ids)
+    assert body["total"] == len(ids)
+
+
+@pytest.mark.parametrize("url, parameter", [
+    ("runs?status=paused", "status"), ("runs?limit=0", "limit"), ("runs?q=" + "x" * 300, "q"),
+    (f"runs/ID/series?since={1 << 63}", "since"), (f"runs/ID/series?from={1 << 64}", "from"),
+    (f"runs/ID/events?since={-(1 << 63) - 1}", "since"), ("runs/ID/metrics/custom?since=x", "since"),
+])
+def test_out_of_range_parameters_are_400(client, data, url, parameter):
+    body = get(client, "/api/v1/" + url.replace("ID", data["main"]), 400)
+    assert body["parameter"] == parameter
+
+
+def test_unknown_routes_and_methods_answer_json(client):
+    assert get(client, "/api/v1/nothing-here", 404)["error"]
+    response = client.put("/api/v1/ingest", json={})
+    assert response.status_code == 405 and response.get_json()["error"]

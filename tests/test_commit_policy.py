@@ -1,7 +1,7 @@
 """Commit interval: fixed, or chosen from measured cost and failure rate (Young/Daly)."""
 import math
 
-from elastic.commit_policy import CommitPolicy, young_daly_steps
+from elastic.runtime.commit_policy import CommitPolicy, young_daly_steps
 
 
 def test_young_daly_optimum_in_steps():

@@ -27,7 +27,7 @@ def test_values_from_file_and_overrides(tmp_path):
     ("[trian]\nsteps = 3\n", [], "unknown table [trian]"),
     ("[train]\nsteps = 0\n", [], "train.steps must be > 0, got 0"),
     ("[train]\nsteps = 'many'\n", [], "train.steps must be an integer, got 'many'"),
-    ("[train]\noptimizer = 'lbfgs'\n", [], "train.optimizer must be 'adam' or 'sgd', got 'lbfgs'"),
+    ("[train]\noptimizer = 'lbfgs'\n", [], "train.optimizer must be one of adam, adamw, sgd, got 'lbfgs'"),
     ("[train]\nsteps = 2.5\n", [], "must be an integer, got 2.5"),
     ("[model]\nhidden = -1\n", [], "model.hidden must be > 0, got -1"),
     ("[train\n", [], "not valid TOML"),

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import PYTHON, ROOT, kill_tree, kinds, regatta_local
-from elastic.events import read_events
+from elastic.runtime.events import read_events
 from monitor.store import Store
 
 K = 10   # commit interval used below
@@ -59,18 +59,30 @@ def test_survivors_end_with_identical_parameters(kill_run):
 
 
 def test_restore_equals_last_commit_exactly(kill_run):
-    """No gradient computed before the reset is applied: right after recovery the
-    parameters are bit for bit those of the last commit."""
+    """No gradient computed before the reset is applied: once the survivors have
+    reassembled the commit from their shares (each held 2 of the 3), the parameters and
+    the optimizer state are bit for bit those of the last commit."""
     _, report = kill_run
     restores = kinds(report, "restore")
     assert {e["host"] for e in restores} == {"127.0.0.2", "127.0.0.4"}
-    for restore in restores:
-        commit = next(e for e in worker_events(report, "commit", restore["host"])
-                      if e["step"] == restore["step"])
-        assert restore["step"] == 70 and restore["from_step"] == 75
-        assert restore["param_hash"] == commit["param_hash"]
-    synced = {e["param_hash"] for e in kinds(report, "sync") if e["wall_time"] > restores[0]["wall_time"]}
-    assert len(synced) == 1
+    assert {(e["step"], e["from_step"]) for e in restores} == {(70, 75)}
+    commits = [e for e in kinds(report, "commit") if e["step"] == 70]
+    assert len(commits) == 3 and all(len(e["held"]) == 2 for e in commits)
+    assert all(abs(e["held_bytes"] - 2 * e["state_bytes"] / 3) <= 128 for e in commits)
+    (committed,) = {(e["param_hash"], e["optimizer_hash"]) for e in commits}
+    synced = [e for e in kinds(report, "sync") if e["wall_time"] > restores[0]["wall_time"]]
+    assert {e["host"] for e in synced} == {"127.0.0.2", "127.0.0.4"}
+    assert all(e["source"] == "memory" and e["from_step"] == 70 for e in synced)
+    assert {(e["param_hash"], e["optimizer_hash"]) for e in synced} == {committed}
+
+
+def test_final_checkpoint_is_written_in_the_background_and_complete(kill_run):
+    tmp, report = kill_run
+    written = kinds(report, "checkpoint")
+    assert written and all(e["background"] and e["bytes"] > 0 and e["write_s"] > 0 for e in written)
+    assert written[-1]["step"] == 240
+    saved = torch.load(tmp / "run" / "checkpoint" / "state.pt", weights_only=True)
+    assert saved["step"] == 240 and saved["format"] == "regatta-dataparallel/1"
 
 
 def test_store_holds_failure_and_world_size_change(kill_run):
@@ -140,6 +152,8 @@ def _progress(run_dir):
 
 
 def test_whole_job_restart_resumes_from_disk_checkpoint(tmp_path):
+    """A launch is a new run; ``--resume auto`` continues the one whose checkpoint is in
+    the run's folder, under its run id."""
     run_dir = tmp_path / "run"
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", PYTHON, "-m", "jobs.digits",
            "--run-dir", str(run_dir), "--steps", "400", "--commit-every", "10",
@@ -157,15 +171,30 @@ def test_whole_job_restart_resumes_from_disk_checkpoint(tmp_path):
         job.wait()
     saved = torch.load(run_dir / "checkpoint" / "state.pt", weights_only=False)
     assert saved["step"] % 20 == 0 and 140 <= saved["step"] < 400
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    done = subprocess.run(cmd + ["--resume", "auto"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=180)
     assert done.returncode == 0, done.stdout[-3000:]
     resumes = [e for e in read_events(run_dir) if e["kind"] == "resume"]
     assert len(resumes) == 1 and resumes[0]["step"] == saved["step"]
+    assert resumes[0]["run_id"] == saved["run_id"]
+    store = Store(str(tmp_path / "m.db"))
+    runs = store.runs()
+    store.close()
+    assert [(r["id"], r["status"]) for r in runs] == [(saved["run_id"], "finished")]
     result = json.loads((run_dir / "result.json").read_text())
     assert result["step"] == 400
     first_after = min(e["step"] for e in read_events(run_dir)
                       if e["kind"] == "commit" and e["wall_time"] > resumes[0]["wall_time"])
     assert first_after == saved["step"] + 10
+    again = subprocess.run(cmd[:10] + ["--steps", "20", "--db", str(tmp_path / "m.db"), "--no-progress"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert again.returncode == 0, again.stdout[-3000:]
+    store = Store(str(tmp_path / "m.db"))
+    runs = {r["id"]: r for r in store.runs()}
+    store.close()
+    assert len(runs) == 2 and all(r["status"] == "finished" for r in runs.values())
+    new = next(r for i, r in runs.items() if i != saved["run_id"])
+    assert new["last_step"] == 20       # a new launch starts at step 0, not from the checkpoint
 
 
 def test_auto_commit_interval_is_chosen_and_shared(tmp_path):

@@ -5,6 +5,7 @@ import pytest
 
 from conftest import BIN, ROOT
 from elastic.launch.hosts import Host, HostsError, parse_discovery, parse_hostfile, run_discovery
+from elastic.launch.plan import PlanError, parse_plan
 
 DISCOVER = ROOT / "hostfiles" / "discover.sh"
 
@@ -80,6 +81,7 @@ def test_check_hosts_command(tmp_path):
     (["--kill", "9@10"], "host number 9 is outside 1..2"),
     (["--slow", "1:fast"], "--slow '1:fast' must look like HOST:FACTOR"),
     (["--hosts", "0"], "--hosts and --slots must be >= 1"),
+    (["--vanish", "2@10", "--aliases"], "--vanish need hosts in network namespaces"),
 ])
 def test_bad_local_options(tmp_path, args, message):
     done = subprocess.run([str(BIN / "regatta"), "local", "digits", "--hosts", "2", "--steps", "100",
@@ -87,3 +89,28 @@ def test_bad_local_options(tmp_path, args, message):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stdout + done.stderr
     assert message in done.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--vanish", "2"], "--vanish '2' must look like HOST@STEP"),
+    (["--partition", "2@10"], "--partition '2@10' must look like HOST[/SLOT]@STEP[+AFTER]:SECONDS"),
+    (["--stop", "2/x@10:5"], "--stop '2/x@10:5': SLOT must be a number"),
+    (["--sigkill", "2@10+soon"], "--sigkill '2@10+soon' must look like HOST[/SLOT]@STEP[+AFTER]"),
+    (["--sigkill", "3@10"], "host number 3 is outside 1..2"),
+    (["--bandwidth", "2"], "--bandwidth '2' must look like HOST:RATE"),
+])
+def test_bad_fault_options(args, message):
+    """The outside faults' options, parsed as the command line parses them."""
+    with pytest.raises(PlanError) as err:
+        parse_plan(["digits", "--hosts", "2", "--steps", "100", *args])
+    assert message in str(err.value)
+
+
+def test_outside_faults_are_planned_as_given():
+    plan = parse_plan(["digits", "--hosts", "3", "--steps", "100", "--sigkill", "2/1@40",
+                       "--sigkill", "3@40+0.25", "--partition", "1@60:4.5", "--bandwidth", "2:20mbit"])
+    assert plan.faults == [
+        {"fault": "sigkill", "host": "127.0.0.3", "step": 40, "slot": 1, "seconds": None, "after": None},
+        {"fault": "sigkill", "host": "127.0.0.4", "step": 40, "slot": None, "seconds": None, "after": 0.25},
+        {"fault": "partition", "host": "127.0.0.2", "step": 60, "slot": None, "seconds": 4.5, "after": None}]
+    assert plan.bandwidth == {"127.0.0.3": "20mbit"} and plan.needs_netns() == ["--bandwidth", "--partition"]

@@ -46,11 +46,16 @@ class LiveServer:
             self._server = None
 
 
+RUN = {"type": "run", "id": "r1", "job": "mlp", "status": "running", "started_at": 1.0}
+
+
 @pytest.fixture
 def server(tmp_path):
+    """A live server whose store knows run r1 (rows of unknown runs are refused)."""
     srv = LiveServer({"db": str(tmp_path / "m.db"), "ingest_token": TOKEN,
                       "max_body_bytes": 256 * 1024}, free_port())
     srv.start()
+    assert post(srv.url, json.dumps({"rows": [RUN]}).encode())[0] == 200
     yield srv
     srv.stop()
 
@@ -130,6 +135,23 @@ def test_outage_loses_nothing_and_duplicates_nothing(server, tmp_path):
     assert series["step"] == list(range(250))
     assert store.count("step") == 250
     store.close()
+
+
+def test_rows_wait_for_their_run_row(server, tmp_path):
+    """Another producer's run row arrives later: 409 until then, then every row once."""
+    rows = [dict(step_row(s), run_id="late") for s in range(30)]
+    status, reply = post(server.url, json.dumps({"rows": rows}).encode())
+    assert status == 409 and reply["field"] == "run_id" and "unknown run 'late'" in reply["error"]
+    with fast_sink(server, tmp_path) as sink:
+        for row in rows:
+            sink.emit(row)
+        assert sink.flush(timeout=20)
+        assert sink.spooled == 30 and stored(server) == 0   # waiting, not rejected
+        post(server.url, json.dumps({"rows": [dict(RUN, id="late")]}).encode())
+        deadline = time.monotonic() + 20
+        while sink.spooled and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert stored(server) == 30 and not (tmp_path / "sink.jsonl.rejected").exists()
 
 
 def test_replayed_batch_is_stored_once(server):

@@ -1,6 +1,6 @@
 """Stall detection logic: silent or stuck ranks are stalls, ranks waiting behind them or
 merely slow are not."""
-from elastic.liveness import Heartbeat, StallWatch
+from elastic.liveness import Heartbeat, StallWatch, first_healthy
 
 
 def watch_at(now, peers):
@@ -26,7 +26,6 @@ def test_hung_peer_that_still_talks_is_a_stall_but_waiting_peers_are_not():
     me = Heartbeat(step=11, waiting=True, waiting_since=0.5)
     new, _ = watch.check(me, now=6.0)
     assert [(r, reason) for r, reason, _ in new] == [(1, "no progress")]
-    assert watch.i_report(0) and not watch.i_report(3)
 
 
 def test_long_computation_everywhere_is_not_a_stall():
@@ -35,8 +34,15 @@ def test_long_computation_everywhere_is_not_a_stall():
     assert watch.check(me, now=9.0) == ([], [])
 
 
-def test_lowest_healthy_rank_reports():
+def test_first_healthy_watcher_reports():
     watch = watch_at(0, {0: (3, False, 0.0, 0.0), 2: (3, True, 9.0, 9.0)})
     watch.check(Heartbeat(step=3, waiting=True, waiting_since=0.0), now=9.0)
     assert watch.stalled == {0: "silent"}
-    assert watch.i_report(1)           # rank 0 is the stalled one: rank 1 speaks
+    assert first_healthy([0, 2, 1], set(watch.stalled)) == 2   # rank 0 stalled: the next speaks
+    assert first_healthy([0], {0}) is None
+
+
+def test_a_rank_that_was_stopped_itself_blames_no_one():
+    watch = watch_at(0, {1: (10, False, 0.0, 0.0)})
+    watch.forgive(now=20.0)          # this rank's own watchdog was frozen until 20.0
+    assert watch.check(Heartbeat(step=10, waiting=True, waiting_since=0.0), now=21.0) == ([], [])

@@ -1,6 +1,6 @@
 """Device plumbing of the pipeline, tested on the CPU (no test needs a GPU).
 
-* ``stage_device``: which device a rank's stage gets (CUDA visibility faked).
+* ``choose_device``: which device a rank computes on (CUDA visibility faked).
 * Host staging (the path CUDA tensors take through a transport that cannot address device
   memory), forced on CPU tensors: bytes round-trip exactly, a receive lands in the
   caller's tensor, the library only ever sees separate host buffers.
@@ -28,9 +28,11 @@ from elastic.config import ConfigError
 from elastic.pipeline.config import PipelineConfig, make_plan
 from elastic.pipeline.executor import StageExecutor, module_device
 from elastic.pipeline.grid import Grid, build_stage
-from elastic.pipeline.stage import PipelineStage, launcher_local_rank, stage_device
+from elastic.pipeline.stage import PipelineStage
 from elastic.pipeline.transport import Handle, Transport, mpi_cuda_aware
-from elastic.world import World
+from elastic.runtime.device import choose_device as stage_device
+from elastic.runtime.env import Env
+from elastic.runtime.world import World
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,8 +45,8 @@ def fake_cuda(monkeypatch, count: int) -> None:
 
 def test_stage_device_defaults_to_cpu_even_with_a_gpu(monkeypatch):
     fake_cuda(monkeypatch, 2)
-    monkeypatch.delenv("REGATTA_DEVICE", raising=False)
     assert stage_device() == torch.device("cpu")
+    assert stage_device(Env.read({}).device) == torch.device("cpu")
     assert stage_device("cpu", local_rank=1) == torch.device("cpu")
 
 
@@ -53,19 +55,19 @@ def test_stage_device_picks_the_ranks_gpu(monkeypatch):
     assert stage_device("cuda", local_rank=6) == torch.device("cuda", 2)
     assert stage_device("auto", local_rank=1) == torch.device("cuda", 1)
     assert stage_device("cuda:3", local_rank=0) == torch.device("cuda", 3)
-    for name in ("OMPI_COMM_WORLD_LOCAL_RANK", "HOROVOD_LOCAL_RANK", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("HOROVOD_LOCAL_RANK", "5")
-    monkeypatch.setenv("REGATTA_DEVICE", "cuda")
-    assert launcher_local_rank() == 5 and stage_device() == torch.device("cuda", 1)
-    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "2")   # mpirun's wins
-    assert stage_device() == torch.device("cuda", 2)
+    env = Env.read({"LOCAL_RANK": "5", "REGATTA_DEVICE": "cuda"})
+    assert env.launched.local_rank == 5
+    assert stage_device(env.device, env.launched.local_rank) == torch.device("cuda", 1)
+    env = Env.read({"OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_RANK": "2",
+                    "OMPI_COMM_WORLD_LOCAL_RANK": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+                    "LOCAL_RANK": "7", "REGATTA_DEVICE": "cuda"})   # mpirun's wins
+    assert stage_device(env.device, env.launched.local_rank) == torch.device("cuda", 2)
 
 
 def test_stage_device_without_cuda(monkeypatch):
     fake_cuda(monkeypatch, 0)
     assert stage_device("auto", local_rank=3) == torch.device("cpu")
-    with pytest.raises(ConfigError, match="'cuda' asked for.*no CUDA device"):
+    with pytest.raises(ConfigError, match="device 'cuda' asked for.*no CUDA device"):
         stage_device("cuda")
     with pytest.raises(ConfigError, match="must be cpu, cuda, cuda:N or auto, got 'tpu'"):
         stage_device("tpu")
@@ -90,15 +92,13 @@ def test_executor_device_follows_the_module():
 def test_mpi_cuda_awareness(monkeypatch, env, expected, query, kinds):
     """The override wins; else Query_cuda_support where mpi4py has it; else the MPI 4.1
     memory kinds. A fake mpi4py: importing the real one would initialise MPI in pytest."""
-    monkeypatch.delenv("REGATTA_MPI_CUDA_AWARE", raising=False)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
+    forced = Env.read(env).mpi_cuda_aware
     fake = types.SimpleNamespace(**({} if query is None else {"Query_cuda_support": query}))
     monkeypatch.setitem(sys.modules, "mpi4py", types.SimpleNamespace(MPI=fake))
     info = types.SimpleNamespace(Get=lambda key: kinds if key == "mpi_memory_alloc_kinds" else None)
     comm = types.SimpleNamespace(Get_info=lambda: info)
     reported = bool(query()) if query is not None else kinds is not None and "cuda" in kinds
-    assert mpi_cuda_aware(comm) is (reported if expected is None else expected)
+    assert mpi_cuda_aware(comm, forced) is (reported if expected is None else expected)
 
 
 # -- host staging ----------------------------------------------------------------------------
@@ -150,6 +150,14 @@ class Loopback(Transport):
     def irecv(self, tensor, peer, tag):
         self.public.append(tensor)
         return super().irecv(tensor, peer, tag)
+
+    def recv_channel(self, tensor, peer, tag):
+        self.public.append(tensor)
+        return super().recv_channel(tensor, peer, tag)
+
+    def send_channel(self, tensor, peer, tag):
+        self.public.append(tensor)
+        return super().send_channel(tensor, peer, tag)
 
     def allreduce_dp(self, flat):
         self.public.append(flat)
@@ -259,8 +267,8 @@ def threaded_pipeline(schedule: str, m: int, stage_everything: bool):
 
     def one(stage):
         stats = stage.forward_backward(batch, job.loss_count(batch))
-        loss, _, _ = stage.reduce(stats)
-        return loss, {n: p.grad.clone() for n, p in stage.module.named_parameters()}
+        stage.reduce()
+        return stats.loss_sum if stage.grid.is_last else None, {n: p.grad.clone() for n, p in stage.module.named_parameters()}
 
     with ThreadPoolExecutor(2) as pool:
         results = [f.result(timeout=60) for f in [pool.submit(one, s) for s in stages]]
@@ -314,7 +322,8 @@ def test_stage_moves_its_module_and_batch_to_its_device():
     stage = PipelineStage(Spy(), plan, grid, Loopback(0, 1, Mailbox()), module,
                           device=torch.device("cpu"))
     stats = stage.forward_backward(tiny_batch(), BATCH)
-    loss, _, _ = stage.reduce(stats)
+    stage.reduce()
+    loss = stats.loss_sum
     assert seen == [torch.device("cpu")] * 2 and loss > 0
     assert all(p.grad.device == stage.device for p in module.parameters())
 

@@ -1,42 +1,30 @@
 """Elastic pipeline (dp x pp) under a real `horovodrun` on simulated hosts: a SIGKILLed
 worker leaves the survivors under a new plan with the committed model reassembled bit
 for bit from memory (replicas, or buddy copies with dp = 1), and added hosts grow the
-grid. Also the pure pieces of shards.py."""
+grid; two simultaneous failures recover from memory whenever every stage keeps a copy
+among the survivors, from disk when one does not. Also the pure pieces of shards.py
+(placement and covering, shared with data parallelism, are in test_shards.py)."""
 from __future__ import annotations
 
 import json
+import random
 import threading
+import time
 from collections import defaultdict
 
 import pytest
 import torch
 
 from conftest import kinds, regatta_local
-from elastic.pipeline.shards import (buddies, contributors, covering_step, exchange, model_digest,
-                                     tensor_digests)
+from outside import LocalRun, held_at, pair_to_kill
+from elastic.pipeline.shards import exchange, model_digest, tensor_digests
+from elastic.runtime.shards import buddies, kept_by
 
 SMALL = ["--global-batch", "24", "--microbatches", "2", "--set", "model.dim=32",
          "--set", "model.layers=2", "--set", "model.context=16"]     # 4 children
 
 
 # -- pure pieces ---------------------------------------------------------------------------
-def test_buddies_live_on_other_hosts():
-    assert buddies(["a", "b", "c"], pp=3, dp=1) == [1, 2, 0]
-    assert buddies(["a", "a", "b", "b"], pp=4, dp=1) == [2, 2, 0, 0]
-    assert buddies(["a", "a"], pp=2, dp=1) == [1, 0]            # one host: the next rank
-    assert buddies(["a", "b", "c", "d"], pp=2, dp=2) == [0, 1, 2, 3]   # replicas are the copies
-
-
-def test_newest_fully_held_commit_wins():
-    items = [{"rank": 0, "step": 20, "ranges": [(0, 2)]}, {"rank": 0, "step": 15, "ranges": [(0, 2)]},
-             {"rank": 1, "step": 15, "ranges": [(2, 4)]}, {"rank": 2, "step": 20, "ranges": [(0, 2)]}]
-    assert covering_step(items, 4) == 15          # step 20 lacks children 2..3
-    items.append({"rank": 2, "step": 20, "ranges": [(2, 4), (0, 2)]})
-    assert covering_step(items, 4) == 20
-    assert contributors(items, 20) == {(0, 2): 0, (2, 4): 2}
-    assert covering_step([{"rank": 0, "step": 5, "ranges": [(0, 1)]}], 2) is None
-
-
 def test_model_digest_does_not_depend_on_the_stage_split():
     torch.manual_seed(0)
     state = {f"{i}.weight": torch.randn(3, 3) for i in range(4)}
@@ -83,10 +71,10 @@ class Mailbox:
 
 def test_buddy_exchange_in_a_cycle_does_not_deadlock():
     box, got = Mailbox(), {}
-    ring = buddies(["a", "b", "c"], pp=3, dp=1)
+    ring = buddies(["a", "b", "c"])
 
     def rank(r):
-        senders = [s for s, b in enumerate(ring) if b == r]
+        senders = kept_by(ring, r)[1:]
         got[r] = exchange(box.view(r), {"stage": r, "w": torch.full((2,), float(r))}, ring[r], senders)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
@@ -150,7 +138,9 @@ def test_model_reassembled_after_the_reset_equals_the_last_commit(kill_run):
     synced = [e for e in kinds(report, "sync") if e["wall_time"] > failed]
     assert len(synced) == 3 and {e["step"] for e in synced} == {25}
     assert {e["param_hash"] for e in synced} == {committed}
-    assert {e["param_hash"] for e in kinds(report, "replan")} == {committed}
+    replans = kinds(report, "replan")       # every survivor moved the model under a new plan,
+    assert len(replans) == 3                # from memory, at the committed step
+    assert all(e["from_memory"] and e["step"] == 25 and e["wall_time"] > failed for e in replans)
     resumed = [e for e in kinds(report, "resumed") if e["wall_time"] > failed]
     assert {e["step"] for e in resumed} == {26} and {e["size"] for e in resumed} == {3}
 
@@ -186,11 +176,11 @@ def test_dp1_pipeline_recovers_from_buddy_copies(tmp_path):
 
 
 def test_added_hosts_grow_the_grid_and_replicas_agree(tmp_path):
-    report = run_local(tmp_path, "--hosts", "2", "--steps", "300", "--commit-every", "5",
+    report = run_local(tmp_path, "--hosts", "2", "--steps", "160", "--commit-every", "5",
                        "--add", "@10", "--add", "@10",
                        job_args=["--pp", "2", "--boundaries", "0,2", *SMALL])
     assert report["exit_code"] == 0
-    assert (report["final_step"], report["final_world_size"]) == (300, 4)
+    assert (report["final_step"], report["final_world_size"]) == (160, 4)
     grown = [e for e in kinds(report, "replan") if e["size"] == 4]
     assert grown and grown[0]["old"]["dp"] == 1 and grown[0]["new"] == \
         {"pp": 2, "dp": 2, "stages": [[0, 2], [2, 4]]}
@@ -203,3 +193,49 @@ def test_added_hosts_grow_the_grid_and_replicas_agree(tmp_path):
     for final in finals(tmp_path):
         by_stage[tuple(final["children"])].add(final["param_hash"])
     assert by_stage.keys() == {(0, 2), (2, 4)} and all(len(h) == 1 for h in by_stage.values())
+
+
+# -- two failures at once, from outside ------------------------------------------------------
+def lose_two_stages(tmp, leaves_a_copy: bool):
+    """pp = 4, dp = 1 on 4 hosts: each rank holds its stage and its buddy's. Two workers
+    SIGKILLed together, chosen from what each host held so that every stage keeps a copy
+    (or one does not); a durable checkpoint exists either way."""
+    with LocalRun(tmp, "charlm", "--hosts", "4", "--steps", "40", "--commit-every", "5",
+                  job_args=["--pp", "4", *SMALL, "--checkpoint-every", "1", "--db", str(tmp / "m.db")],
+                  timeout=360) as run:
+        held = run.wait_for(lambda ev: h if len(h := held_at(ev, 15)) == 4 else None,
+                            "commit at step 15 on 4 hosts")
+        victims = pair_to_kill(held, 4, leaves_a_copy)
+        time.sleep(random.uniform(0, 0.2))
+        killed_at = run.kill(victims)
+        report = run.finish()
+    return report, held, set(victims), killed_at
+
+
+def test_two_failures_leaving_a_copy_of_every_stage_recover_from_memory(tmp_path):
+    report, held, victims, killed_at = lose_two_stages(tmp_path, leaves_a_copy=True)
+    assert (report["final_step"], report["final_world_size"]) == (40, 2)
+    survivors = set(held) - victims
+    assert any(held[v][0] in [r for s in survivors for r in held[s][1:]] for v in victims)
+    replans = [e for e in kinds(report, "replan") if e["wall_time"] > killed_at]
+    assert {e["host"] for e in replans} == survivors and all(e["from_memory"] for e in replans)
+    synced = [e for e in kinds(report, "sync") if e["wall_time"] > killed_at]
+    assert synced and all(e["source"] == "memory" for e in synced)
+    (step,) = {e["from_step"] for e in synced}
+    assert {e["param_hash"] for e in synced} == {commit_hash(report, step, killed_at)}
+    assert not kinds(report, "state_lost") and not kinds(report, "resume")
+
+
+def test_two_failures_taking_every_copy_of_a_stage_recover_from_disk(tmp_path):
+    report, held, victims, killed_at = lose_two_stages(tmp_path, leaves_a_copy=False)
+    assert (report["final_step"], report["final_world_size"]) == (40, 2)
+    survivors = set(held) - victims
+    lost = [e for e in kinds(report, "state_lost") if e["wall_time"] > killed_at]
+    assert {e["host"] for e in lost} == survivors
+    resumed = [e for e in kinds(report, "resume") if e["wall_time"] > killed_at]
+    assert {e["host"] for e in resumed} == survivors
+    synced = [e for e in kinds(report, "sync") if e["wall_time"] > killed_at]
+    assert synced and all(e["source"] == "checkpoint" for e in synced)
+    (step,) = {e["from_step"] for e in synced}
+    assert {e["step"] for e in resumed} == {step}
+    assert {e["param_hash"] for e in synced} == {commit_hash(report, step, killed_at)}

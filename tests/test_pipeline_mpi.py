@@ -55,8 +55,8 @@ def run_cases(world, kind: str, transport, pp: int, dp: int, cases, out: Path) -
     from elastic.pipeline.config import PipelineConfig, make_plan
     from elastic.pipeline.grid import Grid, build_stage
     from elastic.pipeline.stage import PipelineStage
-    from elastic.pipeline.trainer import make_optimizer
-    from elastic.sampler import rank_share
+    from elastic.optim import make_optimizer
+    from elastic.data.sampler import rank_share
     job = CharLMJob(CharLMConfig(**MODEL))
     train = TrainConfig(global_batch=BATCH, optimizer="sgd", lr=LR, seed=SEED)
     for schedule, m in cases:
@@ -64,13 +64,16 @@ def run_cases(world, kind: str, transport, pp: int, dp: int, cases, out: Path) -
         plan = make_plan(cfg, world.size, MODEL["layers"] + 2, BATCH)
         grid = Grid.of(world, plan)
         module = build_stage(job.build_model, plan, grid.stage, SEED)
-        optimizer = make_optimizer(module, train)
+        optimizer = make_optimizer(module.parameters(), train)
         stage = PipelineStage(job, plan, grid, transport, module)
         indices = batch_indices()
         batch = (job.train[rank_share(indices, grid.replica, plan.dp)],)
         count = job.loss_count((job.train[indices],))
         stats = stage.forward_backward(batch, count)
-        loss_sum, _, _ = stage.reduce(stats)
+        stage.reduce()
+        loss_sum = torch.tensor([stats.loss_sum])     # the replicas' summed loss, as the trainer's
+        transport.allreduce_dp(loss_sum)              # agreement computes it
+        loss_sum = loss_sum.item() if grid.is_last else None
         grads = {n: p.grad.clone() for n, p in module.named_parameters()}
         optimizer.step()
         torch.save({"loss": None if loss_sum is None else loss_sum / count, "grads": grads,
@@ -82,8 +85,9 @@ def run_cases(world, kind: str, transport, pp: int, dp: int, cases, out: Path) -
 
 def worker(out: Path) -> None:
     from mpi4py import MPI
-    from elastic.pipeline.transport import GlooTransport, MpiTransport, free_port, poll
-    from elastic.world import World
+    from elastic.pipeline.transport import GlooTransport, MpiTransport, free_port
+    from elastic.pipeline.waiting import poll
+    from elastic.runtime.world import World
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
@@ -106,17 +110,16 @@ def worker(out: Path) -> None:
 
 
 def train_loop(out: Path) -> None:
-    """The whole trainer (run_pipeline) for a few steps on all ranks, metrics collected."""
+    """The whole trainer (elastic.train) for a few steps on all ranks, metrics collected."""
     import json
     from elastic.pipeline.config import PipelineConfig
-    from elastic.pipeline.trainer import run_pipeline, world_from_launcher
+    from elastic.train import train
     rows = []
-    world = world_from_launcher()
-    run_pipeline(CharLMJob(CharLMConfig(**MODEL)),
-                 TrainConfig(run_dir=str(out / "train"), **TRAIN),
-                 PipelineConfig(pp=2, dp=2, schedule="1f1b", microbatches=4, transport="mpi"),
-                 on_metrics=rows.append, world=world)
-    (out / f"metrics-rank{world.rank}.json").write_text(json.dumps(rows))
+    train(CharLMJob(CharLMConfig(**MODEL)),
+          {"train": TrainConfig(run_dir=str(out / "train"), db=str(out / "m.db"), **TRAIN),
+           "pipeline": PipelineConfig(pp=2, dp=2, schedule="1f1b", microbatches=4, transport="mpi")},
+          callbacks=[rows.append])
+    (out / f"metrics-rank{rows[0]['rank']}.json").write_text(json.dumps(rows))
 
 
 # -- the test side -------------------------------------------------------------------------
@@ -207,9 +210,10 @@ def test_gloo_transport_matches_single_process(runs, ref):
     check_case(runs, label("gloo", 2, 2, "1f1b", 4), 4, ref)
 
 
-def train_reference() -> torch.nn.Module:
-    """TRAIN's steps on one process: same cursor, same global batches, same optimizer."""
-    from elastic.sampler import Cursor, global_batch
+def train_reference(losses: list | None = None) -> torch.nn.Module:
+    """TRAIN's steps on one process: same cursor, same global batches, same optimizer;
+    each step's mean loss goes to ``losses``."""
+    from elastic.data.sampler import Cursor, global_batch
     job = CharLMJob(CharLMConfig(**MODEL))
     torch.manual_seed(SEED)
     model = job.build_model()
@@ -220,6 +224,8 @@ def train_reference() -> torch.nn.Module:
         optimizer.zero_grad()
         loss_sum, count = job.loss_sum(model, (job.train[indices],))
         (loss_sum / count).backward()
+        if losses is not None:
+            losses.append(loss_sum.item() / count)
         optimizer.step()
         cursor = cursor.advance(len(indices), len(job.train))
     return model
@@ -236,7 +242,8 @@ def test_trainer_end_to_end_matches_single_process_and_reports_metrics(runs):
     job = CharLMJob(CharLMConfig(**MODEL))
     model = job.build_model()
     load_full(run_dir / "checkpoint", model)
-    expected = train_reference().state_dict()
+    losses = []
+    expected = train_reference(losses).state_dict()
     for key, tensor in model.state_dict().items():
         close(tensor, expected[key], f"trained {key}")
     activation = 4 * (BATCH // 2 // 4) * MODEL["context"] * MODEL["dim"] * 4   # m x mb x T x D x 4 B
@@ -248,7 +255,8 @@ def test_trainer_end_to_end_matches_single_process_and_reports_metrics(runs):
         assert 0 < last["busy_time"] <= last["schedule_time"] <= last["step_time"]
         assert 0 <= last["bubble"] < 1 and last["peak_activation_bytes"] > 0
         assert last["activation_bytes"] == activation      # the shape header went only in step 1
-        assert (last["loss"] is not None) == (rank % 2 == 1)
+        # Every stage learns the global loss from the step's agreement.
+        assert [r["loss"] for r in rows] == pytest.approx(losses, rel=RTOL)
         assert last["allreduce_bytes"] > 0
 
 

@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from elastic.events import read_events  # noqa: E402
+from elastic.runtime.events import read_events  # noqa: E402
 from elastic.pipeline.planner import PlannerConfig  # noqa: E402
 from elastic.pipeline.rebalance import Balancer, recut, speeds  # noqa: E402
 
@@ -33,24 +33,27 @@ RUNS = {"static": ([0, 5], 3.0, False), "rebalanced": ([0, 5], 3.0, True),
 def worker(out: Path) -> None:
     from elastic.config import TrainConfig
     from elastic.pipeline.config import PipelineConfig
-    from elastic.pipeline.planner import PlannerConfig
     from elastic.pipeline.rebalance import SLOW_ENV
-    from elastic.pipeline.trainer import run_pipeline, world_from_launcher
+    from elastic.train import train
     from jobs.charlm import CharLMConfig, CharLMJob
-    world = world_from_launcher()
     job = CharLMJob(CharLMConfig(**MODEL))
     for name, (boundaries, factor, rebalance) in RUNS.items():
         os.environ[SLOW_ENV] = f"1:{factor}"
         rows = []
-        train = TrainConfig(steps=STEPS, global_batch=16, lr=0.01, seed=5, progress=False,
-                            commit_every=STEPS, checkpoint_every=1, run_dir=str(out / name))
-        pipe = PipelineConfig(pp=2, microbatches=4, boundaries=boundaries, transport="mpi")
-        planner = PlannerConfig(rebalance=rebalance, rebalance_warmup=4, rebalance_window=4,
-                                rebalance_patience=2)
-        result = run_pipeline(job, train, pipe, on_metrics=rows.append, world=world,
-                              planner=planner)
-        (out / name / f"metrics-rank{world.rank}.json").write_text(json.dumps(rows))
-        (out / name / f"result-rank{world.rank}.json").write_text(json.dumps(result))
+        # The static run commits at the interval the runtime chooses (Young/Daly), as a
+        # data-parallel run would; a fixed-world pipeline's commit is its checkpoint.
+        configs = {"train": TrainConfig(steps=STEPS, global_batch=16, lr=0.01, seed=5, progress=False,
+                                        commit_every="auto" if name == "static" else STEPS,
+                                        checkpoint_every=1,
+                                        run_dir=str(out / name), db=str(out / "m.db")),
+                   "pipeline": PipelineConfig(pp=2, microbatches=4, boundaries=boundaries,
+                                              transport="mpi"),
+                   "planner": PlannerConfig(rebalance=rebalance, rebalance_warmup=4,
+                                            rebalance_window=4, rebalance_patience=2)}
+        result = train(job, configs, callbacks=[rows.append])
+        rank = rows[0]["rank"]
+        (out / name / f"metrics-rank{rank}.json").write_text(json.dumps(rows))
+        (out / name / f"result-rank{rank}.json").write_text(json.dumps(result))
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +154,23 @@ def test_slow_stage_loses_children_and_imbalance_falls(runs):
     assert after < before and after < imbalance(static, under_first_move(done))
     ends = {e["rank"]: e for e in read_events(runs / "rebalanced") if e["kind"] == "rebalance"}
     assert ends[0]["new"] == ends[1]["new"]       # every rank took the same decision
+
+
+def test_auto_commit_interval_is_chosen_for_a_pipeline_as_for_data_parallelism(runs):
+    events = read_events(runs / "static")
+    (choice,) = [e for e in events if e["kind"] == "commit_interval"][:1]
+    assert choice["rank"] == 0 and choice["step"] == 10 and choice["interval"] != 10
+    # The interval came from what a commit (here: the durable checkpoint) cost.
+    first = [e for e in events if e["kind"] == "commit" and e["step"] == 10]
+    assert len(first) == 2 and all(e["durable"] for e in first)
+    assert choice["commit_cost_s"] == pytest.approx(first[0]["cost_s"] if first[0]["rank"] == 0
+                                                    else first[1]["cost_s"], rel=1e-6)
+    expected = max(round((2 * choice["commit_cost_s"] * choice["mtbf_s"]) ** 0.5 / choice["step_time_s"]),
+                   -(-choice["commit_cost_s"] // (0.01 * choice["step_time_s"])))
+    assert choice["interval"] == min(10_000, int(expected))
+    commits = {e["rank"]: [c["step"] for c in events if c["kind"] == "commit" and c["rank"] == e["rank"]]
+               for e in first}
+    assert commits[0] == commits[1]          # every rank committed at the same steps
 
 
 def test_rebalanced_training_equals_static_training_bitwise(runs):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.events import read_events
+from elastic.runtime.events import read_events
 from elastic.launch.hosts import Host
 from elastic.pipeline.checkpoint import read_manifest
 from elastic.pipeline.supervisor import SupervisorConfig, command, drop_failed, rank_hosts, replan

@@ -2,7 +2,7 @@
 is skipped or seen twice."""
 import torch
 
-from elastic.sampler import Cursor, global_batch, rank_share
+from elastic.data.sampler import Cursor, global_batch, rank_share
 
 
 def test_rank_shares_partition_the_batch():

@@ -1,9 +1,12 @@
-"""Sinks: concurrent writer processes, non-blocking emit, spool adoption, the factory."""
+"""Sinks: concurrent writer processes, non-blocking emit, spool adoption, rows waiting
+for their run row, a full disk, the factory; on SQLite and PostgreSQL where it matters."""
 import json
 import multiprocessing as mp
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +15,17 @@ from monitor.spool import Spool
 from monitor.store import Store
 
 ROWS_PER_PROCESS = 2000
+ROOT = Path(__file__).resolve().parents[1]
+
+
+RUN = {"type": "run", "id": "r1", "job": "mlp", "status": "running", "started_at": 1.0}
+
+
+def new_store(db):
+    """An empty store that knows run r1."""
+    store = Store(db)
+    store.write_rows([RUN])
+    return store
 
 
 def step_row(rank, step):
@@ -31,8 +45,9 @@ def _writer(db, spool_dir, rank, barrier, results):
     results.put((rank, sink.failures, sink.spooled))
 
 
-def test_four_processes_share_one_store(tmp_path):
-    db = str(tmp_path / "m.db")
+def test_four_processes_share_one_store(tmp_path, db_url):
+    db = db_url
+    new_store(db).close()
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(4), ctx.Queue()
     procs = [ctx.Process(target=_writer, args=(db, str(tmp_path / "spool"), r, barrier, results))
@@ -71,7 +86,7 @@ def test_emit_does_not_block_on_a_locked_database(tmp_path):
     """Another process holds the write lock; emits (including queue overflow spilled
     to the spool) return at once, and every row is stored exactly once afterwards."""
     db = str(tmp_path / "m.db")
-    Store(db).close()
+    new_store(db).close()
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, db, "2.0"],
                               stdout=subprocess.PIPE, text=True)
     try:
@@ -87,7 +102,9 @@ def test_emit_does_not_block_on_a_locked_database(tmp_path):
         elapsed = time.perf_counter() - started
         assert holder.poll() is None, "the lock was released before emitting finished"
         assert sink.spooled > 0  # the queue overflowed and rows went to disk instead
-        assert elapsed < 1.5 and slowest < 0.1, (elapsed, slowest)
+        # loose: a busy 2-core machine stalls any thread now and then; the lock is held
+        # 2 s, so a blocking emit would take at least that
+        assert elapsed < 1.5 and slowest < 0.5, (elapsed, slowest)
         assert holder.wait(timeout=30) == 0
         sink.close(timeout=60)
     finally:
@@ -99,6 +116,7 @@ def test_emit_does_not_block_on_a_locked_database(tmp_path):
 
 def test_flush_waits_for_delivery(tmp_path):
     db = str(tmp_path / "m.db")
+    new_store(db).close()
     sink = SQLiteSink(db, spool_dir=str(tmp_path / "spool"),
                       config=SinkConfig(flush_interval=30.0))  # only flush() sends now
     for s in range(7):
@@ -120,6 +138,7 @@ def test_orphaned_spool_is_adopted(tmp_path):
     """A producer that died with rows spooled: the next sink for the same destination
     delivers them; a live producer's spool is left alone."""
     db, spool_dir = str(tmp_path / "m.db"), tmp_path / "spool"
+    new_store(db).close()
     probe = SQLiteSink(db, spool_dir=str(spool_dir))
     tag = probe._spool.path.rsplit("/", 1)[1].split(".")[0]  # destination's file prefix
     probe.close()
@@ -144,3 +163,47 @@ def test_make_sink_picks_the_implementation(tmp_path):
     with make_sink(db=str(tmp_path / "m.db"), ingest="http://127.0.0.1:9", token="t",
                    spool_dir=spool) as sink:
         assert isinstance(sink, HttpSink) and sink.endpoint == "http://127.0.0.1:9/api/v1/ingest"
+
+
+FULL_DISK = """
+import logging, sys, time
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(message)s")
+from monitor.sink import HttpSink, SinkConfig
+config = SinkConfig(batch_size=50, flush_interval=0.05, retry_min=0.1, retry_max=0.4,
+                    queue_size=1000)
+sink = HttpSink("http://127.0.0.1:9", "t", spool_dir=sys.argv[1], config=config)
+slowest = 0.0
+for i in range(6000):
+    t = time.perf_counter()
+    sink.emit({"type": "step", "run_id": "r1", "step": i, "wall_time": 1.0 + i, "rank": 0,
+               "world_size": 1, "host": "h" * 200, "step_time": 0.01})
+    slowest = max(slowest, time.perf_counter() - t)
+    if i % 500 == 0:
+        time.sleep(0.2)   # training goes on; the sink retries in the background
+sink.flush(timeout=30)
+print("result", sink.dropped, len(sink._held), sink.spooled, round(slowest, 3), flush=True)
+sink.close(timeout=5)
+"""
+
+
+def test_a_full_disk_is_one_warning_with_backoff(tmp_path):
+    """The spool's disk is full (a 64 kB tmpfs, mounted in a private mount namespace) and
+    the destination is down: rows are held in memory up to queue_size, the rest dropped
+    and counted, one warning says so (no traceback per batch), emit never blocks."""
+    folder = tmp_path / "full"
+    folder.mkdir()
+    script = tmp_path / "full_disk.py"
+    script.write_text(FULL_DISK)
+    done = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {folder} && "
+                                       f"exec {sys.executable} {script} {folder}"],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    dropped, held, spooled, slowest = done.stdout.split()[1:]
+    assert int(dropped) > 0 and 0 < int(held) <= 1000 and int(spooled) > 0, done.stdout
+    assert int(dropped) + int(held) + int(spooled) == 6000, done.stdout   # every row counted
+    assert float(slowest) < 0.5, done.stdout   # loose: the machine may be busy
+    assert done.stderr.count("cannot write the spool") == 1, done.stderr[-3000:]
+    assert done.stderr.count("delivery failed") == 1
+    assert "Traceback" not in done.stderr

@@ -7,9 +7,9 @@ import pytest
 from conftest import kinds, regatta_local
 from monitor.store import Store
 
-# 30 ms of simulated accelerator time per step: three ranks on two cores would otherwise
+# 60 ms of simulated accelerator time per step: three ranks on two cores would otherwise
 # measure how the OS shares the cores (one rank alone on a core computes 2x faster).
-JOB = ["--set", "model.simulated_compute_ms=30", "--no-progress"]
+JOB = ["--set", "model.simulated_compute_ms=60", "--no-progress"]
 
 
 def per_host_median_compute(db, run_id, after_step=5):
@@ -23,7 +23,7 @@ def per_host_median_compute(db, run_id, after_step=5):
 @pytest.mark.parametrize("slow", [True, False], ids=["slowed", "balanced"])
 def test_slowed_host_is_measured_and_flagged(tmp_path, slow):
     db = tmp_path / "m.db"
-    args = ["digits", "--hosts", "3", "--steps", "80", "--commit-every", "20"]
+    args = ["digits", "--hosts", "3", "--steps", "60", "--commit-every", "20"]
     report = regatta_local(tmp_path, *args, *(["--slow", "3:1.5"] if slow else []),
                            job_args=["--db", str(db), *JOB])
     assert report["exit_code"] == 0
@@ -48,7 +48,7 @@ def test_slowed_host_is_measured_and_flagged(tmp_path, slow):
 
 
 def test_detector_flags_a_sustained_straggler_once():
-    from elastic.metrics import StragglerDetector
+    from elastic.runtime.stragglers import StragglerDetector
     detector = StragglerDetector(factor=1.3, window=8)
     flagged = []
     for step in range(40):
@@ -63,7 +63,7 @@ def test_detector_flags_a_sustained_straggler_once():
 
 def test_detector_ignores_noise_on_a_balanced_run():
     import random
-    from elastic.metrics import StragglerDetector
+    from elastic.runtime.stragglers import StragglerDetector
     rng = random.Random(0)
     detector = StragglerDetector()
     assert not any(detector.observe([rng.uniform(0.9, 1.15) for _ in range(4)]) for _ in range(500))

@@ -104,7 +104,7 @@ def test_run_ids_are_escaped(app):
 
 
 def test_server_binds_loopback_unless_told(tmp_path):
-    server = make_server(str(tmp_path / "m.db"), port=0)
+    server = make_server(str(tmp_path / "m.db"), port=0, spool_dir=str(tmp_path / "spool"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -126,3 +126,24 @@ def test_ui_command_defaults():
     assert args.func.__module__ == "webui.serve"
     with pytest.raises(SystemExit):
         parser.parse_args(["ui"])  # --db is required
+
+
+def test_tokens_come_from_the_environment_or_a_file(tmp_path, monkeypatch, capsys):
+    from webui.serve import config_from_args
+    parser = argparse.ArgumentParser(prog="regatta")
+    add_parser(parser.add_subparsers(dest="command"))
+    monkeypatch.setenv("REGATTA_INGEST_TOKEN", "from-env")
+    monkeypatch.delenv("REGATTA_READ_TOKEN", raising=False)
+    cfg = config_from_args(parser.parse_args(["ui", "--db", "x.db"]))
+    assert (cfg.ingest_token, cfg.read_token) == ("from-env", None)
+    (tmp_path / "w").write_text("from-file\n")
+    (tmp_path / "r").write_text("reader\n")
+    cfg = config_from_args(parser.parse_args(
+        ["ui", "--db", "postgresql://u@db/x", "--token-file", str(tmp_path / "w"),
+         "--read-token-file", str(tmp_path / "r"), "--allow-host", "Dash.Example.org"]))
+    assert (cfg.ingest_token, cfg.read_token, cfg.allowed_hosts) == (
+        "from-file", "reader", ("dash.example.org",))
+    cfg = config_from_args(parser.parse_args(["ui", "--db", "x.db", "--token", "visible"]))
+    assert cfg.ingest_token == "visible" and "visible to every user in `ps`" in capsys.readouterr().err
+    assert "--token " not in parser.format_help()   # no longer advertised
+

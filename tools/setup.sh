@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Idempotent set-up of everything Regatta needs on a fresh Debian machine:
 #   bash tools/setup.sh            (called by `make setup`, `make demo`, `make test`)
-# Installs OpenMPI (Debian), a virtualenv in .venv, torch 2.13.0 CPU, mpi4py, Horovod
-# 0.28.1 built from its sdist with the C++17 change (see ../shared/DESIGN.md), and the
-# project itself. A built Horovod wheel is cached outside the checkout, keyed by Horovod,
+# Installs OpenMPI and PostgreSQL (Debian; the tests start a throwaway PostgreSQL
+# cluster of their own, the packaged service is never used), a virtualenv in .venv,
+# torch 2.13.0 CPU, mpi4py, Horovod 0.28.1 built from its sdist with the C++17 change
+# (see ../shared/DESIGN.md), and the project itself. A built Horovod wheel is cached outside the checkout, keyed by Horovod,
 # torch and Python versions, so a second set-up takes seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +22,10 @@ command -v mpirun >/dev/null || need_apt+=(openmpi-bin)
 [ -f /usr/include/x86_64-linux-gnu/openmpi/mpi.h ] || [ -n "$(ls /usr/lib/*/openmpi/include/mpi.h 2>/dev/null)" ] || need_apt+=(libopenmpi-dev)
 command -v cmake >/dev/null || need_apt+=(cmake)
 command -v chromium >/dev/null || need_apt+=(chromium)
+# Simulated hosts in network namespaces (regatta local): ip and tc, unshare and nsenter.
+command -v tc >/dev/null || need_apt+=(iproute2)
+command -v nsenter >/dev/null || need_apt+=(util-linux)
+ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need_apt+=(postgresql)
 if [ ${#need_apt[@]} -gt 0 ]; then
   step "apt-get install ${need_apt[*]}"
   export DEBIAN_FRONTEND=noninteractive

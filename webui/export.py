@@ -1,13 +1,15 @@
 """Downloads of what the store holds, streamed so that a large store never sits in memory.
 
     GET /api/v1/runs/<id>/export.csv?kind=step   one run's step rows (kind: run, step,
-                                                 event, host; default step)
-    GET /api/v1/runs/<id>/export.json            one run: {"runs", "steps", "events", "hosts"}
+                                                 event, host, metric; default step)
+    GET /api/v1/runs/<id>/export.json            one run: {"runs", "steps", "events",
+                                                 "hosts", "metrics"}
     GET /api/v1/export.csv?kind=step             every run
     GET /api/v1/export.json                      every run
 
 Columns are the store's own (monitor.models); in JSON the ``config`` and ``detail``
-columns are decoded into objects, in CSV they stay JSON text.
+columns are decoded into objects (one that is not valid JSON, from an older store, stays
+text), in CSV they stay JSON text; non-finite numbers are written as null.
 """
 from __future__ import annotations
 
@@ -19,13 +21,21 @@ from typing import Iterator, Optional
 
 from flask import Response, request
 
+from webui.finite_json import finite
 from webui.api import api, get_store, known_run
 from webui.params import Params
-from webui.queries_extra import export_rows
 
-KINDS = ("run", "step", "event", "host")
-_JSON_KEYS = {"run": "runs", "step": "steps", "event": "events", "host": "hosts"}
-_JSON_COLUMNS = ("config", "detail")
+KINDS = ("run", "step", "event", "host", "metric")
+_JSON_KEYS = {"run": "runs", "step": "steps", "event": "events", "host": "hosts",
+              "metric": "metrics"}
+_JSON_COLUMNS = ("config", "detail", "tags")
+
+
+def _decoded(value):
+    try:
+        return json.loads(value)
+    except (TypeError, ValueError, RecursionError):
+        return value
 
 
 def _filename(run_id: Optional[str], what: str, ext: str) -> str:
@@ -42,7 +52,7 @@ def _download(body: Iterator[str], mimetype: str, filename: str) -> Response:
 
 # The generators get the store as an argument: they run after the request context is gone.
 def _csv(store, kind: str, run_id: Optional[str]) -> Iterator[str]:
-    columns, rows = export_rows(store, kind, run_id)
+    columns, rows = store.export_rows(kind, run_id)
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(columns)
@@ -59,12 +69,12 @@ def _json(store, run_id: Optional[str]) -> Iterator[str]:
     yield "{"
     for n, kind in enumerate(KINDS):
         yield ("," if n else "") + json.dumps(_JSON_KEYS[kind]) + ":["
-        columns, rows = export_rows(store, kind, run_id)
+        columns, rows = store.export_rows(kind, run_id)
         decode = [c in _JSON_COLUMNS for c in columns]
         for i, row in enumerate(rows):
-            record = {c: (json.loads(v) if d and v is not None else v)
+            record = {c: (_decoded(v) if d and v is not None else v)
                       for c, v, d in zip(columns, row, decode)}
-            yield ("," if i else "") + json.dumps(record, separators=(",", ":"))
+            yield ("," if i else "") + json.dumps(finite(record), separators=(",", ":"))
         yield "]"
     yield "}\n"
 

@@ -8,8 +8,11 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-from flask import Blueprint, abort, render_template, request, send_file
+import json
 
+from flask import Blueprint, Response, abort, render_template, request, send_file
+
+from monitor import event_kinds
 from webui.api import get_store
 
 pages = Blueprint("pages", __name__, template_folder="templates", static_folder="static",
@@ -27,7 +30,7 @@ def runs_page():
 @pages.get("/runs/<run_id>")
 def run_page(run_id: str):
     if not get_store().count("run", run_id):
-        abort(404, f"no run {run_id!r} in this store")
+        abort(404, f"no run {run_id[:200]!r} in this store")
     return render_template("run.html", page="run", run_id=run_id)
 
 
@@ -35,6 +38,14 @@ def run_page(run_id: str):
 def compare_page():
     ids = [r for r in request.args.get("runs", "").split(",") if r.strip()]
     return render_template("compare.html", page="compare", run_ids=",".join(ids))
+
+
+@pages.get("/vendor/event-kinds.js")
+def event_kinds_js():
+    """monitor.event_kinds for the pages' scripts: defined in Python, once."""
+    table = json.dumps(event_kinds.as_json()).replace("<", "\\u003c")
+    return Response(f"const EVENT_KINDS = Object.freeze({table});\n",
+                    mimetype="text/javascript", headers={"Cache-Control": "no-cache"})
 
 
 @pages.get("/vendor/plotly.min.js")

@@ -8,8 +8,10 @@ pays those imports once, ahead of time, then forks a worker per request from
 
     python -m elastic.launch.agent --host 127.0.0.2 --preload jobs.digits
 
-``regatta local`` starts one per simulated host. On a cluster, run one on each node
-before listing the node for discovery; without an agent the shim simply execs Python.
+On a cluster, run one on each node before listing the node for discovery; without an
+agent the shim simply execs Python. ``regatta local`` needs one per simulated host, all on
+one machine: it warms a single process up (``--hosts-on-stdin``) and forks each host's
+agent from it, inside that host's namespaces, so the imports are paid once per launch.
 
 The agent stays single-threaded so forking is safe; each child gets the shim's stdio,
 environment, working directory and argv, and its exit status goes back to the shim.
@@ -25,22 +27,42 @@ import signal
 import socket
 import sys
 
+from dataclasses import dataclass
+
+from ..restart import (AGENT_CHILD_ENV, CUT_OFF_EXIT, HANDOFF_ENV, RESTART_EXIT, handoff_files,
+                       handoff_out, handoff_path, put_mark, rendezvous_server)
+from .target import Target
+
+MAX_RESTARTS = 20   # replacements of one slot's worker in a row (a worker that keeps
+                    # asking to be replaced would otherwise never give its slot back)
+
 SOCKET_PREFIX = "\0regatta-agent-"   # abstract unix socket: nothing to clean up on disk
 NAMESPACE_ENV = "REGATTA_AGENT_NAMESPACE"
+DIR_ENV = "REGATTA_AGENT_DIR"   # sockets as files there: they cross network namespaces
 
 
 def socket_name(host: str, namespace: str | None = None) -> str:
     """Agents of different launches on one machine (simulated hosts share it) must not
-    serve each other's workers: the launcher's namespace keeps them apart."""
+    serve each other's workers: the launcher's namespace keeps them apart. An abstract
+    socket belongs to one network namespace, so hosts in namespaces use a file."""
+    folder = os.environ.get(DIR_ENV, "")
+    if folder:
+        return os.path.join(folder, f"{host}.sock")
     namespace = os.environ.get(NAMESPACE_ENV, "") if namespace is None else namespace
     return f"{SOCKET_PREFIX}{namespace}-{host}" if namespace else SOCKET_PREFIX + host
+
+
+def tell(message: dict) -> None:
+    """One JSON line on stdout for the launcher: ready, a worker started, a worker ended."""
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
 
 
 def warm_up(modules: list[str]) -> None:
     # No BLAS thread pools before fork: a forked child would inherit a pool whose threads
     # do not exist in it.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    for module in ["elastic.runner", *modules]:
+    for module in ["elastic.train", *modules]:
         importlib.import_module(module)
     import torch
     torch.optim.Adam([torch.zeros(1, requires_grad=True)])   # imports torch._dynamo
@@ -59,11 +81,11 @@ def run_child(request: dict, fds: list[int]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        sys.argv = [request["module"], *request["args"]]
-        sys.path.insert(0, request["cwd"])
-        import runpy
-        sys.modules.pop(request["module"], None)   # preloaded; now it runs as __main__
-        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        target = Target.from_python_args(request["target"])
+        sys.argv = [target.value, *request["args"]]
+        sys.path.insert(0, request["cwd"] if target.kind == "module" else os.path.dirname(target.value))
+        sys.modules.pop(target.value, None)   # a preloaded module now runs as __main__
+        target.run()
         code = 0
     except SystemExit as done:
         code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
@@ -78,44 +100,58 @@ def run_child(request: dict, fds: list[int]) -> None:
         os._exit(code)
 
 
+@dataclass
+class Child:
+    conn: socket.socket      # the shim's connection
+    request: dict
+    fds: list                # the shim's stdio, kept for a replacement
+    restarts: int = 0
+
+
 class Agent:
     def __init__(self, host: str):
+        self.host = host
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(socket_name(host))
         self.listener.listen(64)
-        self.children: dict[int, socket.socket] = {}   # pid -> the shim's connection
+        self.children: dict[int, Child] = {}
 
     def serve_forever(self) -> None:
         while True:
-            watched = [self.listener, *self.children.values()]
-            readable, _, _ = select.select(watched, [], [], 0.05)
+            watched = [self.listener, *(c.conn for c in self.children.values())]
+            readable, _, _ = select.select(watched, [], [], 0.01)
             for sock in readable:
                 if sock is self.listener:
-                    self._spawn(*self.listener.accept())
+                    conn, _ = self.listener.accept()
+                    message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+                    self._spawn(Child(conn, json.loads(message.decode()), fds))
                 else:
                     self._shim_gone(sock)
             self._reap()
 
-    def _spawn(self, conn: socket.socket, _addr) -> None:
-        message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-        request = json.loads(message.decode())
+    def _spawn(self, child: Child, handoff: str = "") -> None:
+        env = child.request["env"]
+        env[AGENT_CHILD_ENV] = "1"
+        env.pop(HANDOFF_ENV, None)
+        if handoff:
+            env[HANDOFF_ENV] = handoff
         pid = os.fork()
         if pid == 0:
             self.listener.close()
             for other in self.children.values():
-                other.close()
-            conn.close()
+                other.conn.close()
+            child.conn.close()
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            run_child(request, fds)
-        for fd in fds:
-            os.close(fd)
-        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-        self.children[pid] = conn
+            run_child(child.request, [os.dup(fd) for fd in child.fds])
+        child.conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        self.children[pid] = child
+        tell({"spawn": pid, "host": env.get("HOROVOD_HOSTNAME", self.host),
+              "slot": int(env.get("HOROVOD_LOCAL_RANK", 0)), "restarts": child.restarts})
 
     def _shim_gone(self, conn: socket.socket) -> None:
         """The shim died (horovodrun killed it): its worker must not outlive it."""
-        for pid, other in list(self.children.items()):
-            if other is conn:
+        for pid, child in list(self.children.items()):
+            if child.conn is conn:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -129,26 +165,90 @@ class Agent:
                 return
             if pid == 0:
                 return
-            conn = self.children.pop(pid, None)
-            if conn is not None:
-                try:
-                    conn.sendall(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
-                except OSError:
-                    pass
-                conn.close()
+            child = self.children.pop(pid, None)
+            code = os.waitstatus_to_exitcode(status)
+            tell({"exit": pid, "code": code})
+            if child is not None:
+                self._ended(pid, child, code)
+
+    def _ended(self, pid: int, child: Child, code: int) -> None:
+        """A worker asked to be replaced (see elastic/restart.py), or ended for good: then
+        a death marks the rendezvous of the world it belonged to, before the shim tells
+        horovodrun, so that no survivor waits for it there."""
+        env = child.request["env"]
+        handoff = handoff_path(env.get("HOROVOD_HOSTNAME", ""), pid)
+        # SIGABRT with its hand-off out: Gloo aborted it for a peer's death (restart.py)
+        replace = code == RESTART_EXIT or (code == -signal.SIGABRT and handoff_out(handoff))
+        if replace and child.restarts < MAX_RESTARTS:
+            child.restarts += 1
+            tell({"replace": pid, "code": code})
+            self._spawn(child, handoff=str(handoff))
+            return
+        for leftover in handoff_files(handoff):   # a death while re-forming
+            leftover.unlink(missing_ok=True)
+        if code not in (0, CUT_OFF_EXIT):   # one cut off cannot reach the driver anyway
+            put_mark(rendezvous_server(env), f"{env.get('HOROVOD_HOSTNAME')} pid {pid} exit {code}")
+        try:
+            child.conn.sendall(json.dumps({"exit": code}).encode() + b"\n")
+        except OSError:
+            pass
+        child.conn.close()
+        for fd in child.fds:
+            os.close(fd)
+
+
+def serve(host: str) -> None:
+    """Be ``host``'s agent until told to stop. Never returns."""
+    agent = Agent(host)
+    tell({"ready": os.getpid(), "host": host})
+    # Told to stop: at once, without tearing down the preloaded libraries (seconds under
+    # load); the workers it forked get the same signal from the launcher (one group).
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    agent.serve_forever()
+
+
+def name_process(host: str) -> None:
+    """Call this process (and the workers it forks) after its simulated host in ``ps``
+    and /proc/PID/comm: forked from one warm process, they share its command line."""
+    import ctypes
+    ctypes.CDLL(None).prctl(15, host.encode()[:15], 0, 0, 0)   # PR_SET_NAME
+
+
+def serve_hosts_on_stdin() -> None:
+    """Fork an agent for each line on stdin, ``{"host": NAME, "netns": PID or null}`` (the
+    process holding the host's namespaces), until stdin ends."""
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)   # agents are reaped by the kernel
+    tell({"ready": os.getpid(), "host": None})
+    for line in sys.stdin:
+        request = json.loads(line)
+        if os.fork() == 0:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)   # an agent reaps its workers
+            try:
+                if request.get("netns"):
+                    from .netns import join
+                    join(request["netns"])
+                name_process(request["host"])
+                serve(request["host"])
+            except BaseException as err:   # said on the shared stdout, or the launcher waits
+                tell({"failed": request["host"], "error": f"{type(err).__name__}: {err}"})
+                os._exit(1)
+    os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m elastic.launch.agent", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--host", required=True, help="the host name the launcher uses")
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--host", help="the host name the launcher uses")
+    which.add_argument("--hosts-on-stdin", action="store_true",
+                       help="fork an agent per host named on stdin (simulated hosts)")
     parser.add_argument("--preload", action="append", default=[], metavar="MODULE")
     args = parser.parse_args(argv)
     warm_up(args.preload)
-    agent = Agent(args.host)
-    print(f"regatta agent for {args.host} ready (pid {os.getpid()})", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    agent.serve_forever()
+    if args.hosts_on_stdin:
+        serve_hosts_on_stdin()
+    serve(args.host)
 
 
 if __name__ == "__main__":

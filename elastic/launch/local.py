@@ -1,125 +1,101 @@
 """``regatta local``: a real ``horovodrun`` elastic job on simulated hosts of this machine,
-with faults injected at exact steps and a JSON report of what happened.
+with faults injected from inside at exact steps or from outside at random instants, and
+a JSON report of what happened.
 
     regatta local digits --hosts 3 --slots 1 --steps 200 --commit-every 10 \
-        --kill 2@60 --add @120 --report runs/local/report.json
+        --sigkill 2@60 --add @120 --report runs/local/report.json
+
+Hosts are network namespaces where the kernel allows it (elastic/launch/netns.py: the
+whole simulation runs inside a private user, network and PID namespace, so no root is
+needed and nothing outlives it), else loopback aliases of one network stack
+(elastic/launch/loopback.py, needs root). Either way each simulated host is a local host
+to horovodrun, which starts a shim per slot; the shim has the host's warm agent, inside
+the host's namespace, fork the worker (elastic/launch/agent.py).
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
+import tempfile
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+import uuid
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from tqdm import tqdm
 
-from ..events import EventLog, read_progress
+from monitor.sink import make_sink
+
+from ..runtime.events import EventLog, read_progress
 from ..faults import ENV as FAULTS_ENV, FaultPlan
-from . import agent, loopback
+from . import agent, loopback, netns
 from .hosts import Host, format_discovery, run_discovery
+from .inject import Injector, Workers
+from .plan import LocalPlan, PlanError, parse_at, resolve_host   # noqa: F401  (re-exported)
 from .report import build_report, write_report
+from .target import Target
+from .stopping import Stopping, stop_tree
 
 DISCOVER = Path(__file__).resolve().parents[2] / "hostfiles" / "discover.sh"
 
 
-class PlanError(ValueError):
-    """A ``regatta local`` option is malformed; the message names it."""
+def worker_target(plan: LocalPlan) -> Target:
+    return Target.parse(plan.module or plan.job)
 
 
-@dataclass
-class LocalPlan:
-    job: str
-    hosts: int = 2
-    slots: int = 1
-    steps: int = 100
-    commit_every: int | str = 10
-    kill: list[tuple[str, int]] = field(default_factory=list)
-    add: list[tuple[str, int]] = field(default_factory=list)
-    remove: list[tuple[str, int]] = field(default_factory=list)
-    slow: dict[str, float] = field(default_factory=dict)
-    pause: list[tuple[str, int, float]] = field(default_factory=list)
-    run_dir: str = "runs/local"
-    report: str = ""
-    gloo_timeout: int = 30
-    fast_recovery: bool = True
-    timeout: float = 600.0
-    job_args: list[str] = field(default_factory=list)
-    module: str = ""        # worker module; default jobs.<job> (benchmarks run a stock loop)
-    warm_agents: bool = True   # fork workers from a warm agent per host (elastic.launch.agent)
-
-    def __post_init__(self) -> None:
-        if self.hosts < 1 or self.slots < 1:
-            raise PlanError(f"--hosts and --slots must be >= 1, got {self.hosts} and {self.slots}")
-        if self.steps < 1:
-            raise PlanError(f"--steps must be >= 1, got {self.steps}")
-        if self.commit_every != "auto" and not (str(self.commit_every).isdigit() and int(self.commit_every) > 0):
-            raise PlanError(f"--commit-every must be a positive integer or 'auto', got {self.commit_every!r}")
-        for option, entries in (("--kill", self.kill), ("--add", self.add), ("--remove", self.remove)):
-            for host, step in entries:
-                if not 0 < step < self.steps:
-                    raise PlanError(f"{option} {host}@{step}: step must be between 1 and {self.steps - 1}")
-        initial = set(self.initial_hosts())
-        for host, _ in self.kill + self.remove:
-            if host not in initial and host not in {h for h, _ in self.add}:
-                raise PlanError(f"host {host} is not one of this run's hosts: {', '.join(sorted(initial))}")
-
-    def initial_hosts(self) -> list[str]:
-        return [loopback.host_name(i) for i in range(self.hosts)]
-
-    @property
-    def max_np(self) -> int:
-        return (self.hosts + len(self.add)) * self.slots
+def preload(target: Target) -> list[str]:
+    """A job module is imported ahead by the agent; a script is not (importing it would run
+    whatever it does at top level), only the runtime it uses."""
+    return ["--preload", target.value] if target.kind == "module" else []
 
 
-def resolve_host(text: str, plan_hosts: int, next_new: int) -> str:
-    """``2`` means the second simulated host; ``""`` the next new one; else a name."""
-    if text == "":
-        return loopback.host_name(next_new)
-    if text.isdigit():
-        if not 1 <= int(text) <= plan_hosts:
-            raise PlanError(f"host number {text} is outside 1..{plan_hosts}")
-        return loopback.host_name(int(text) - 1)
-    return text
+def network_kind(plan: LocalPlan) -> str:
+    """netns or aliases: what the plan asks for, or what this machine allows."""
+    if plan.network == "aliases":
+        if plan.needs_netns():
+            raise PlanError(f"{', '.join(plan.needs_netns())} need hosts in network namespaces "
+                            "(loopback aliases share one network stack: nothing to cut)")
+        return "aliases"
+    if netns.inside_private():
+        return "netns"
+    why = netns.available() or ("the job sends metrics to --ingest, which hosts in private "
+                                "namespaces cannot reach" if _ingests(plan) else "")
+    if why and (plan.network == "netns" or plan.needs_netns()):
+        raise PlanError(f"network namespaces are not available here: {why}")
+    return "aliases" if why else "netns"
 
 
-def parse_at(value: str, option: str) -> tuple[str, int]:
-    host, sep, step = value.rpartition("@")
-    if not sep or not step.isdigit():
-        raise PlanError(f"{option} {value!r} must look like HOST@STEP")
-    return host, int(step)
-
-
-def worker_module(plan: LocalPlan) -> str:
-    return plan.module or f"jobs.{plan.job}"
-
-
-def horovodrun_command(plan: LocalPlan, hosts_file: Path) -> list[str]:
+def horovodrun_command(plan: LocalPlan, hosts_file: Path, interface: str) -> list[str]:
     venv_bin = Path(sys.executable).parent
     python = [sys.executable, "-m", "elastic.launch.shim"] if plan.warm_agents else [sys.executable]
+    job = ["--db", plan.db] if plan.db else []
+    job += ["--ingest", plan.ingest] if plan.ingest else []
     return [str(venv_bin / "horovodrun"), "-np", str(plan.hosts * plan.slots),
             "--min-np", str(plan.slots), "--max-np", str(plan.max_np),
             "--host-discovery-script", f"{DISCOVER} {hosts_file}",
-            "--network-interface", "lo", "--gloo-timeout-seconds", str(plan.gloo_timeout),
-            *python, "-m", worker_module(plan), "--run-dir", plan.run_dir,
+            "--network-interface", interface, "--gloo-timeout-seconds", str(plan.gloo_timeout),
+            *python, *worker_target(plan).python_args(), "--run-dir", plan.run_dir,
             "--steps", str(plan.steps), "--commit-every", str(plan.commit_every),
-            "--no-progress", *plan.job_args]
+            "--no-progress", *job, *plan.job_args]
 
 
-def worker_env(plan: LocalPlan) -> dict[str, str]:
+def worker_env(plan: LocalPlan, run_id: str, agent_dir: str) -> dict[str, str]:
     faults = FaultPlan(kill=[{"host": h, "step": s} for h, s in plan.kill],
+                       kill_connecting=[{"host": h, "step": s} for h, s in plan.kill_connecting],
                        slow=dict(plan.slow),
                        pause=[{"host": h, "step": s, "seconds": t} for h, s, t in plan.pause])
     env = dict(os.environ)
     env[FAULTS_ENV] = faults.to_env()
     env["REGATTA_PROCS_PER_MACHINE"] = str(plan.max_np)
     env["REGATTA_FAST_RECOVERY"] = "1" if plan.fast_recovery else "0"
+    env["REGATTA_RUN_ID"] = run_id
     env["PYTHONUNBUFFERED"] = "1"
     env[agent.NAMESPACE_ENV] = agent_namespace(plan)
+    if agent_dir:
+        env[agent.DIR_ENV] = agent_dir
     return env
 
 
@@ -128,37 +104,121 @@ def agent_namespace(plan: LocalPlan) -> str:
     return str(os.getpid())
 
 
+def new_run_id(plan: LocalPlan) -> str:
+    """A fresh id per launch: the job's rows and the launcher's events join under it."""
+    return f"{plan.job}-local-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+
+def _ingests(plan: LocalPlan) -> bool:
+    return bool(plan.ingest) or "--ingest" in plan.job_args
+
+
+def _check_ingest(plan: LocalPlan, kind: str) -> None:
+    if kind == "netns" and _ingests(plan):
+        raise PlanError("--ingest: hosts in private network namespaces reach no network but "
+                        "their own; pass --db (a dashboard can read that file) or --aliases")
+
+
 def run_local(plan: LocalPlan) -> dict:
-    run_dir = Path(plan.run_dir)
+    """Run the plan; returns the report (also written to ``plan.report`` if set)."""
+    kind = network_kind(plan)
+    _check_ingest(plan, kind)
+    if not netns.inside_private():
+        _fresh(Path(plan.run_dir))
+        if kind == "netns":
+            return _run_private(plan)
+    return _run_here(plan, kind)
+
+
+def _fresh(run_dir: Path) -> None:
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    hosts = [Host(name, plan.slots) for name in plan.initial_hosts()]
-    hosts_file = run_dir / "hosts.txt"
-    hosts_file.write_text(format_discovery(hosts))
-    run_discovery(f"{DISCOVER} {hosts_file}")      # fail now, clearly, not inside horovodrun
-    every_host = plan.initial_hosts() + [h for h, _ in plan.add]
-    log = EventLog(run_dir, "launcher", 0)
-    with loopback.aliases(every_host), warm_agents(plan, every_host):
-        code = _supervise(plan, hosts, hosts_file, log)
-    log.close()
-    report = build_report(run_dir, exit_code=code, plan=plan)
+
+
+def _run_private(plan: LocalPlan) -> dict:
+    """Run the launcher again inside private namespaces; its report comes back as a file.
+    Signals reach it (Stopping forwards them), and when it ends the kernel ends the rest."""
+    plan_file = Path(plan.run_dir) / "plan.json"
+    plan_file.write_text(json.dumps(plan.to_json()))
+    command = netns.private([sys.executable, "-m", "elastic.launch.local", str(plan_file)])
+    with Stopping() as stopping:
+        inner = subprocess.Popen(command, env={**os.environ, netns.PRIVATE_ENV: "1"},
+                                 start_new_session=True)   # one signal reaches it: ours
+        stopping.forward_to(inner)
+        code = inner.wait()
+    report_file = Path(plan.run_dir) / "report.json"
+    if not report_file.exists():
+        raise RuntimeError(f"the launcher inside the namespaces ended ({code}) without a "
+                           f"report; see {plan.run_dir}/horovodrun.log")
+    report = json.loads(report_file.read_text())
     if plan.report:
         write_report(report, Path(plan.report))
     return report
 
 
-def _supervise(plan: LocalPlan, hosts: list[Host], hosts_file: Path, log: EventLog) -> int:
-    """Run horovodrun, edit the discovery file at the planned steps, show progress."""
+def _run_here(plan: LocalPlan, kind: str) -> dict:
+    run_dir = Path(plan.run_dir)
+    hosts = [Host(name, plan.slots) for name in plan.initial_hosts()]
+    hosts_file = run_dir / "hosts.txt"
+    hosts_file.write_text(format_discovery(hosts))
+    run_discovery(f"{DISCOVER} {hosts_file}")      # fail now, clearly, not inside horovodrun
+    run_id = new_run_id(plan)
+    sink = make_sink(db=plan.db or None, ingest=plan.ingest or None,
+                     token=os.environ.get("REGATTA_INGEST_TOKEN"))
+    log = EventLog(run_dir, "launcher", 0, sink=sink, run_id=run_id)
+    log.record("launch", None, hosts=[h.name for h in hosts], slots=plan.slots, network=kind,
+               plan=plan.to_json())
+    workers = Workers(agent_namespace(plan))
+    with ExitStack() as stack:
+        stopping = stack.enter_context(Stopping())
+        stack.enter_context(loopback.aliases(plan.every_host()))
+        network = stack.enter_context(_network(plan, kind))
+        agent_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="regatta-agents-")) \
+            if kind == "netns" else ""
+        stack.enter_context(warm_agents(plan, network, workers, agent_dir, stopping))
+        injector = Injector(plan.faults, workers, network, log, plan.seed)
+        stack.callback(injector.stop)
+        code = _supervise(plan, hosts, hosts_file, log, injector, stopping,
+                          worker_env(plan, run_id, agent_dir), "rg0" if kind == "netns" else "lo")
+    log.close()
+    sink.close()
+    report = build_report(run_dir, exit_code=code, plan=plan)
+    report["run_id"], report["network"] = run_id, kind
+    write_report(report, run_dir / "report.json")
+    if plan.report:
+        write_report(report, Path(plan.report))
+    return report
+
+
+@contextmanager
+def _network(plan: LocalPlan, kind: str):
+    """The namespaces' bridge and hosts (with their slow links), or nothing for aliases."""
+    if kind != "netns":
+        yield None
+        return
+    with netns.Network() as network:
+        for name in plan.every_host():
+            network.add_host(name)
+        for name, rate in plan.bandwidth.items():
+            network.bandwidth(name, rate)
+        yield network
+
+
+def _supervise(plan: LocalPlan, hosts: list[Host], hosts_file: Path, log: EventLog,
+               injector: Injector, stopping: Stopping, env: dict, interface: str) -> int:
+    """Run horovodrun, edit the discovery file at the planned steps, arm the outside
+    faults, show progress."""
     changes = sorted([(s, "add", h) for h, s in plan.add] + [(s, "remove", h) for h, s in plan.remove])
     output = open(Path(plan.run_dir) / "horovodrun.log", "w")
-    log.record("launch", None, hosts=[h.name for h in hosts], slots=plan.slots)
-    proc = subprocess.Popen(horovodrun_command(plan, hosts_file), stdout=output,
-                            stderr=subprocess.STDOUT, env=worker_env(plan), start_new_session=True)
+    proc = subprocess.Popen(horovodrun_command(plan, hosts_file, interface), stdout=output,
+                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    stopping.forward_to(proc, group=True)
     bar = tqdm(total=plan.steps, desc=f"{plan.job} (local)", unit="step", dynamic_ncols=True)
     deadline = time.monotonic() + plan.timeout
+    pace = Pace()
     try:
-        while proc.poll() is None:
+        while proc.poll() is None and not stopping.requested:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job did not finish within {plan.timeout:.0f} s; "
                                    f"see {plan.run_dir}/horovodrun.log")
@@ -167,6 +227,7 @@ def _supervise(plan: LocalPlan, hosts: list[Host], hosts_file: Path, log: EventL
                 bar.n = seen[0]
                 bar.set_postfix(np=seen[1], refresh=False)
                 bar.refresh()
+                injector.reached(seen[0], pace.step(seen[0]))
                 while changes and seen[0] >= changes[0][0]:
                     step, action, host = changes.pop(0)
                     hosts = _apply(action, host, hosts, plan.slots)
@@ -176,32 +237,64 @@ def _supervise(plan: LocalPlan, hosts: list[Host], hosts_file: Path, log: EventL
             time.sleep(0.02)
     finally:
         bar.close()
-        _stop(proc)
+        injector.stop()
+        stop_tree(proc)
         output.close()
+    if stopping.requested:
+        log.record("stopped", None, signal=stopping.requested)
+        return 128 + stopping.requested
     return proc.returncode
 
 
+class Pace:
+    """Seconds per step, from the progress the launcher sees (for the faults' instants)."""
+
+    def __init__(self) -> None:
+        self.last: tuple[int, float] | None = None
+        self.seconds = 0.05
+
+    def step(self, step: int) -> float:
+        now = time.monotonic()
+        if self.last is not None and step > self.last[0]:
+            self.seconds = 0.7 * self.seconds + 0.3 * (now - self.last[1]) / (step - self.last[0])
+        self.last = (step, now)
+        return self.seconds
+
+
 @contextmanager
-def warm_agents(plan: LocalPlan, hosts: list[str]):
-    """One warm agent per simulated host, hosts still to be added included (a node's
-    agent warms up while it boots, before the operator lists it for discovery)."""
+def warm_agents(plan: LocalPlan, network, workers: Workers, agent_dir: str,
+                stopping: Stopping | None = None):
+    """A warm agent per simulated host, hosts still to be added included (a node's agent
+    warms up while it boots, before the operator lists it for discovery); with namespaces,
+    each inside its host's namespaces. All are forked from one warm process: the imports
+    are paid once, not once per host on the same cores."""
     agents = []
     try:
         if plan.warm_agents:
             log = open(Path(plan.run_dir) / "agents.log", "w")
+            env = {**os.environ, agent.NAMESPACE_ENV: agent_namespace(plan)}
+            if agent_dir:
+                env[agent.DIR_ENV] = agent_dir
+            command = [sys.executable, "-m", "elastic.launch.agent", "--hosts-on-stdin",
+                       *preload(worker_target(plan))]
+            agents.append(subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                           stderr=log, text=True, start_new_session=True, env=env))
+            if stopping is not None:   # a signal reaches the agents and their workers at once
+                stopping.forward_to(agents[-1], group=True)
+            hosts = plan.every_host()
             for host in hosts:
-                agents.append(subprocess.Popen(
-                    [sys.executable, "-m", "elastic.launch.agent", "--host", host,
-                     "--preload", worker_module(plan)],
-                    stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
-                    env={**os.environ, agent.NAMESPACE_ENV: agent_namespace(plan)}))
-            for started in agents:   # each prints one line once it listens
-                if not started.stdout.readline():
-                    raise RuntimeError(f"a warm agent failed to start; see {log.name}")
+                holder = network.hosts[host].holder.pid if network is not None else None
+                agents[0].stdin.write(json.dumps({"host": host, "netns": holder}) + "\n")
+            agents[0].stdin.flush()
+            for _ in range(len(hosts) + 1):   # the warm process first, then each host's agent
+                line = agents[0].stdout.readline()
+                if not line or "failed" in json.loads(line):
+                    raise RuntimeError(f"a warm agent failed to start: {line.strip() or 'no answer'}; "
+                                       f"see {log.name}")
+            workers.follow(agents[0].stdout)
         yield
     finally:
-        for started in agents:
-            _stop(started)
+        stop_tree(*agents)
 
 
 def _apply(action: str, name: str, hosts: list[Host], slots: int) -> list[Host]:
@@ -210,16 +303,13 @@ def _apply(action: str, name: str, hosts: list[Host], slots: int) -> list[Host]:
     return [h for h in hosts if h.name != name]
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """End horovodrun and every worker it started (they share its process group)."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
+def main(argv: list[str] | None = None) -> None:
+    """Inside the private namespaces: run the plan the outer launcher wrote."""
+    argv = sys.argv[1:] if argv is None else argv
+    plan = LocalPlan.from_json(json.loads(Path(argv[0]).read_text()))
+    report = run_local(plan)
+    sys.exit(0 if report["exit_code"] == 0 else 1)
+
+
+if __name__ == "__main__":
+    main()

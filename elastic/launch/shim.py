@@ -1,10 +1,12 @@
 """What horovodrun runs for each worker when warm agents are in use:
 
     python -m elastic.launch.shim -m jobs.digits --steps 100 ...
+    python -m elastic.launch.shim path/to/train.py --steps 100 ...
 
 It asks this host's agent (elastic.launch.agent) to fork the worker, hands over its
 stdin/stdout/stderr, forwards signals to the worker, and exits as the worker did (killed
-by a signal -> killed by the same signal), so horovodrun cannot tell the difference. With
+by a signal -> killed by the same signal), so horovodrun cannot tell the difference. A
+worker the agent replaced in place (elastic/restart.py) is, to horovodrun, the same one. With
 no agent listening it simply execs ``python -m MODULE ...``. Imports nothing heavy.
 """
 from __future__ import annotations
@@ -18,8 +20,8 @@ import sys
 from .agent import socket_name
 
 
-def _exec_directly(module: str, args: list[str]) -> None:
-    os.execv(sys.executable, [sys.executable, "-m", module, *args])
+def _exec_directly(target: list[str], args: list[str]) -> None:
+    os.execv(sys.executable, [sys.executable, *target, *args])
 
 
 def _read_message(stream) -> dict | None:
@@ -36,36 +38,40 @@ def _exit_like(code: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) < 2 or argv[0] != "-m":
-        sys.exit("usage: python -m elastic.launch.shim -m MODULE [ARGS...]")
-    module, args = argv[1], argv[2:]
+    if not argv or (argv[0] == "-m" and len(argv) < 2):
+        sys.exit("usage: python -m elastic.launch.shim (-m MODULE | SCRIPT) [ARGS...]")
+    split = 2 if argv[0] == "-m" else 1
+    target, args = argv[:split], argv[split:]
     host = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(socket_name(host))
     except OSError:
-        _exec_directly(module, args)
-    request = {"module": module, "args": args, "cwd": os.getcwd(), "env": dict(os.environ)}
+        _exec_directly(target, args)
+    request = {"target": target, "args": args, "cwd": os.getcwd(), "env": dict(os.environ)}
     socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
     stream = conn.makefile("r")
     started = _read_message(stream)
     if started is None:
         sys.exit("regatta shim: the agent closed the connection before starting the worker")
-    pid = started["pid"]
+    worker = {"pid": started["pid"]}
 
     def forward(signum, _frame):
         try:
-            os.kill(pid, signum)
+            os.kill(worker["pid"], signum)
         except ProcessLookupError:
             pass
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, forward)
-    finished = _read_message(stream)
-    if finished is None:   # the agent died: take the worker down rather than orphan it
-        forward(signal.SIGKILL, None)
-        sys.exit("regatta shim: lost the agent while the worker ran")
-    _exit_like(finished["exit"])
+    while True:   # a worker replaced in place (elastic/restart.py) is announced by its pid
+        message = _read_message(stream)
+        if message is None:   # the agent died: take the worker down rather than orphan it
+            forward(signal.SIGKILL, None)
+            sys.exit("regatta shim: lost the agent while the worker ran")
+        if "exit" in message:
+            _exit_like(message["exit"])
+        worker["pid"] = message["pid"]
 
 
 if __name__ == "__main__":

@@ -8,12 +8,15 @@ Gloo group under horovodrun), GPipe and 1F1B schedules, hybrid dp x pp.
     executor.py    runs one stage's action list, measures busy/wait/bytes/bubble
     stage.py       microbatches, schedule, gradient sum over a stage's replicas
     checkpoint.py  per-stage files that reload under any other partition
-    trainer.py     the training loop (entry: run_pipeline)
+    engine.py      the engine the runtime runs: build the state, one step, finish
+    run.py         one rank's pipeline in one world (plan, grid, stage, optimizer, cursor)
+    step.py        one optimizer step, top to bottom
+    fixed_state.py mpirun / one process: commits are the durable checkpoint
     supervisor.py  relaunches a failed mpirun job from the last checkpoint
     planner.py     [planner] section; (dp, pp) and boundaries from measured layer costs; regatta plan
     rebalance.py   moves boundaries from measured stage times while training; slowdown injection
     shards.py      committed stage shards, buddy copies, digests (elastic pipeline)
-    elastic_state.py, elastic_trainer.py   horovodrun elastic: re-plan and move state on every reset
+    elastic_state.py   horovodrun elastic: re-plan and move state on every reset
 
 Run: ``mpirun -np 4 --hostfile hostfiles/pipeline.txt python -m jobs.charlm --pp 2 --dp 2
 --schedule 1f1b --microbatches 8``.

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from elastic.checkpoint import save_atomic
+from elastic.runtime.checkpoint import save_atomic
 
 MANIFEST = "latest.json"
 

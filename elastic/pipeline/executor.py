@@ -1,8 +1,9 @@
 """Runs one stage's action list (schedule.py) for one optimizer step.
 
-The same executor runs GPipe and 1F1B. Sends are non-blocking and completed at the end of
-the step; receives block only when their data is needed, and the next receive of each
-kind is posted one action early, so a message can land while this stage computes.
+The same executor runs GPipe and 1F1B. Activations and gradients travel through buffers
+kept from step to step (transport.py channels). Sends are non-blocking and completed at
+the end of the step; every receive of the step is posted when the step starts, so a
+message lands whenever it arrives, and a receive blocks only when its data is needed.
 
 Shapes are agreed once: the first activation a stage ever sends is preceded by a small
 header (dtype, shape); every later activation must have that shape (the plan makes all
@@ -29,7 +30,7 @@ from torch import nn
 
 from .grid import Grid
 from .schedule import Action
-from .transport import Handle, Transport
+from .transport import Channel, Handle, Transport
 
 HEADER_TAG = 32000          # below MPI's guaranteed minimum tag bound, 32767
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32)
@@ -75,6 +76,10 @@ class StageExecutor:
         self.in_shape: tuple | None = None     # (dtype, shape) of activations received
         self.out_shape: tuple | None = None    # (dtype, shape) of activations sent
         self._param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        # (direction, kind, microbatch) -> the kept buffer and its channel
+        self._channels: dict[tuple, tuple[torch.Tensor, Channel]] = {}
+        self._actions = {kind: getattr(self, "_" + kind) for kind in
+                         ("fwd", "bwd", "send_act", "send_grad", "recv_act", "recv_grad")}
 
     # -- one step ---------------------------------------------------------------------
     def run(self, actions: list[Action], inputs: list | None = None, targets: list | None = None,
@@ -90,9 +95,14 @@ class StageExecutor:
         self._saved, self._held = defaultdict(int), 0
         self._loss = torch.zeros((), device=self.device)
         started = time.perf_counter()
+        for action in actions:
+            if action.kind.startswith("recv_"):
+                self._post((action.kind[5:], action.microbatch))
+        self.stats.recv_wait += time.perf_counter() - started   # the first step's header
         for index, action in enumerate(actions):
-            getattr(self, "_" + action.kind)(action.microbatch, actions, index)
-            self._sends = [h for h in self._sends if not h.test()]   # also drives MPI progress
+            self._actions[action.kind](action.microbatch, actions, index)
+            while self._sends and self._sends[0].test():   # a test also drives MPI progress
+                self._sends.pop(0)
         waited = time.perf_counter()
         for handle in self._sends:
             handle.wait()
@@ -130,33 +140,45 @@ class StageExecutor:
             self._grad_out[i] = self._x.pop(i).grad
 
     def _send_act(self, i: int, actions, index) -> None:
-        out = self._out[i].detach().contiguous()
+        out = self._out[i].detach()
         shape = (out.dtype, tuple(out.shape))
         if self.out_shape is None:
             self.out_shape = shape
-            self._send(_header(out), self.grid.next_rank, HEADER_TAG)
+            header = _header(out)
+            self._sends.append(self.transport.isend(header, self.grid.next_rank, HEADER_TAG))
+            self.stats.activation_bytes += header.numel() * header.element_size()
         elif shape != self.out_shape:
             raise RuntimeError(f"stage {self.grid.stage}: activation {shape} differs from the "
                                f"{self.out_shape} agreed with the next stage; all microbatches "
                                f"must have one shape")
-        self._send(out, self.grid.next_rank, tag("act", i))
+        self._send(("act", i), out, self.grid.next_rank)
 
     def _send_grad(self, i: int, actions, index) -> None:
-        self._send(self._grad_out.pop(i).contiguous(), self.grid.prev_rank, tag("grad", i))
+        self._send(("grad", i), self._grad_out.pop(i), self.grid.prev_rank)
 
     def _recv_act(self, i: int, actions, index) -> None:
-        x = self._receive(("act", i), actions, index)
-        self._x[i] = x.requires_grad_(True)
+        # A new tensor over the kept buffer: its .grad is this step's alone.
+        self._x[i] = self._receive(("act", i)).detach().requires_grad_(True)
 
     def _recv_grad(self, i: int, actions, index) -> None:
-        self._grad_in[i] = self._receive(("grad", i), actions, index)
+        self._grad_in[i] = self._receive(("grad", i))
 
     # -- transport --------------------------------------------------------------------
-    def _send(self, tensor: torch.Tensor, peer: int, tag_: int) -> None:
-        self._sends.append(self.transport.isend(tensor, peer, tag_))
+    def _send(self, key: tuple, tensor: torch.Tensor, peer: int) -> None:
+        """Copy into the kept buffer of ``key`` (kind, microbatch) and send it; the last
+        step's send from it has completed (every send is waited on at the step's end)."""
+        if ("send", *key) not in self._channels:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+            self._channels["send", *key] = buffer, self.transport.send_channel(buffer, peer, tag(*key))
+        buffer, channel = self._channels["send", *key]
+        buffer.copy_(tensor)
+        self._sends.append(channel.start())
         self.stats.activation_bytes += tensor.numel() * tensor.element_size()
 
     def _post(self, key: tuple) -> None:
+        """Post the receive for ``key`` (kind, microbatch), unless posted, or unless its
+        shape is not known yet: a gradient's is the shape of the activation this stage
+        sends, known once it sent the first (``_receive`` posts it then)."""
         kind, i = key
         if key in self._posted:
             return
@@ -165,20 +187,19 @@ class StageExecutor:
                 header = torch.zeros(8, dtype=torch.int64)
                 self.transport.irecv(header, self.grid.prev_rank, HEADER_TAG).wait()
                 self.in_shape = _read_header(header)
-            dtype, shape, peer = *self.in_shape, self.grid.prev_rank
+            shape, peer = self.in_shape, self.grid.prev_rank
+        elif self.out_shape is None:
+            return
         else:
-            dtype, shape = self.out_shape
-            peer = self.grid.next_rank
-        buffer = torch.empty(shape, dtype=dtype, device=self.device)
-        self._posted[key] = self.transport.irecv(buffer, peer, tag(kind, i))
+            shape, peer = self.out_shape, self.grid.next_rank
+        if ("recv", *key) not in self._channels:
+            buffer = torch.empty(shape[1], dtype=shape[0], device=self.device)
+            self._channels["recv", *key] = buffer, self.transport.recv_channel(buffer, peer, tag(kind, i))
+        self._posted[key] = self._channels["recv", *key][1].start()
 
-    def _receive(self, key: tuple, actions, index) -> torch.Tensor:
+    def _receive(self, key: tuple) -> torch.Tensor:
         started = time.perf_counter()
         self._post(key)
-        for later in actions[index + 1:]:    # post the next receive of the same kind early
-            if later.kind == "recv_" + key[0]:
-                self._post((key[0], later.microbatch))
-                break
         tensor = self._posted.pop(key).wait()
         self.stats.recv_wait += time.perf_counter() - started
         return tensor

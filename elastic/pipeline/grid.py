@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from elastic.world import World
+from elastic.runtime.world import World
 
 from .config import Plan
 

@@ -19,7 +19,6 @@ step, which is the ``bottleneck x (m + pp - 1) / m`` of the whole-batch stage ti
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
 import statistics
@@ -230,7 +229,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("job", help="job module under jobs/ (e.g. charlm)")
+    p.add_argument("job", help="a job under jobs/ (e.g. charlm), a module or a script path")
     p.add_argument("--np", type=int, required=True, help="world size (ranks) to plan for")
     p.add_argument("--pp-min", type=int, default=None, help="fewest stages (default: [planner])")
     p.add_argument("--pp-max", type=int, default=None, help="most stages (default: [planner])")
@@ -244,8 +243,13 @@ def main(args: argparse.Namespace) -> int:
     """Measure the job's layers, rank every grid for ``--np`` ranks and print them."""
     if args.np < 1:
         raise ConfigError(f"--np must be >= 1, got {args.np}")
-    module = importlib.import_module(f"jobs.{args.job}")
-    job, train, pipe, cfg = module.pipeline_job(list(args.job_args))
+    from elastic.launch.target import Target, TargetError
+    target = Target.parse(args.job)
+    pipeline_job = target.load().get("pipeline_job")
+    if pipeline_job is None:
+        raise TargetError(f"{target.value} defines no pipeline_job(argv) -> (job, train, pipeline, "
+                          f"planner configs), which regatta plan needs (see jobs/charlm.py)")
+    job, train, pipe, cfg = pipeline_job(list(args.job_args))
     overrides = {k: v for k, v in (("pp_min", args.pp_min), ("pp_max", args.pp_max)) if v is not None}
     cfg = PlannerConfig(**{**asdict(cfg), **overrides})
     m = args.microbatches or pipe.microbatches

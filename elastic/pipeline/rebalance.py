@@ -28,13 +28,13 @@ bitwise the same numbers as without the move. A ``rebalance`` event records the 
 new boundaries, the imbalance before, the predicted one after and the cost of the move.
 Every rank holds the whole model's state briefly during a move.
 
-``REGATTA_SLOW_RANKS=RANK:FACTOR[,...]`` (or ``regatta local --slow``'s host factors)
-slows a rank: after every child's forward and backward it sleeps FACTOR - 1 times what
-that took, so its stage's busy time scales with its children, as on a slower machine.
+``REGATTA_SLOW_RANKS=RANK:FACTOR[,...]`` (or ``regatta local --slow``'s host factors; the
+runtime's Env reads both) slows a rank: after every child's forward and backward it sleeps
+FACTOR - 1 times what that took, so its stage's busy time scales with its children, as on
+a slower machine.
 """
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from dataclasses import replace
@@ -42,7 +42,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from elastic.faults import FaultPlan
+from elastic.optim import make_optimizer
 
 from .grid import cut
 from .planner import PlannerConfig, measure_job, partition
@@ -52,16 +52,6 @@ SLOW_ENV = "REGATTA_SLOW_RANKS"
 # A slowed first child whose input is token ids has its backward hook fire early (torch
 # warns each time); slow_down accounts for that, so the warning says nothing new.
 warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
-
-
-def slow_factor(rank: int, host: str) -> float:
-    """This rank's injected slowdown: ``REGATTA_SLOW_RANKS`` by rank, else the fault plan's
-    ``slow`` by host (``regatta local --slow``)."""
-    for item in filter(None, os.environ.get(SLOW_ENV, "").split(",")):
-        who, _, factor = item.partition(":")
-        if int(who) == rank:
-            return float(factor)
-    return float(FaultPlan.from_env().slow.get(host, 1.0))
 
 
 def slow_down(module: nn.Module, factor: float) -> None:
@@ -138,13 +128,12 @@ def import_stage(module: nn.Module, optimizer: torch.optim.Optimizer, pieces: li
 def move_stages(run, stages: tuple) -> None:
     """Re-cut ``run`` to ``stages`` on the same ranks: all-gather replica 0's stage state,
     build this rank's new children, load them, rebuild its stage and optimizer."""
-    from .trainer import make_optimizer   # trainer imports this module
     mine = export_stage(run.stage.module, run.optimizer) if run.grid.replica == 0 else None
     pieces = [p for p in allgather_object(run.transport, mine) if p is not None]
     plan = replace(run.plan, stages=tuple(stages))
     module = cut(run.job.build_model(), *plan.stages[run.grid.stage])
-    stage = PipelineStage(run.job, plan, run.grid, run.transport, module)
-    optimizer = make_optimizer(stage.module, run.train)
+    stage = PipelineStage(run.job, plan, run.grid, run.transport, module, run.stage.device)
+    optimizer = make_optimizer(stage.module.parameters(), run.train)
     import_stage(stage.module, optimizer, pieces)
     run.plan, run.stage, run.optimizer = plan, stage, optimizer
 
@@ -182,10 +171,11 @@ class Balancer:
     the stage boundaries. ``after_step`` is called by every rank after every step; every
     rank takes the same decisions from the same all-gathered numbers."""
 
-    def __init__(self, run, cfg: PlannerConfig, base: list[float] | None = None):
-        """``base``: nominal child costs already measured (rank 0's are used), else rank 0
-        measures them now."""
-        self.cfg, self.factor = cfg, slow_factor(run.world.rank, run.world.host)
+    def __init__(self, run, cfg: PlannerConfig, events, factor: float = 1.0,
+                 base: list[float] | None = None):
+        """``factor``: this rank's injected slowdown; ``base``: nominal child costs already
+        measured (rank 0's are used), else rank 0 measures them now."""
+        self.cfg, self.factor, self.events = cfg, factor, events
         slow_down(run.stage.module, self.factor)
         self.base = None
         if cfg.rebalance and run.world.is_root and run.plan.pp > 1:
@@ -199,7 +189,7 @@ class Balancer:
     def after_step(self, run, metrics) -> None:
         if not self.cfg.rebalance or run.plan.pp == 1 or run.step <= self.origin:
             return
-        self.busy += metrics.busy_time
+        self.busy += metrics.compute_time
         self.wall += metrics.step_time
         if (run.step - self.origin) % self.cfg.rebalance_window:
             return
@@ -242,7 +232,7 @@ class Balancer:
         move_stages(run, new)
         slow_down(run.stage.module, self.factor)
         self.origin, self.busy, self.wall, self.above = run.step + self.cfg.rebalance_warmup, 0.0, 0.0, 0
-        self.moves.append(run.events.record(
+        self.moves.append(self.events.record(
             "rebalance", run.step, old=[a for a, _ in old], new=[a for a, _ in new], reason=reason,
             imbalance_before=imbalance, imbalance_predicted=predicted, stage_busy=busy,
             step_time_before=self.measured[old],

@@ -4,13 +4,16 @@ At every commit each rank snapshots its own stage (parameters and optimizer stat
 the full model's names, rebalance.export_stage) in memory. With dp >= 2 the stage's other
 replicas hold the same bytes (they applied the same summed gradients); with dp = 1 each
 rank also sends its snapshot to a *buddy*, the next rank on another host, over the
-pipeline's Gloo group. So every rank holds one stage's shard, or two with dp = 1: 1/pp or
-2/pp of the model, never the whole of it for pp >= 2 (README states the cost). A
-single failed rank or host therefore never takes the last copy of any stage with it.
+pipeline's Gloo group (placement: runtime/shards.py, the same for data parallelism). So
+every rank holds one stage's shard, or two with dp = 1: 1/pp or 2/pp of the model, never
+the whole of it for pp >= 2 (README states the cost). A single failed rank or host
+therefore never takes the last copy of any stage with it, and two failures do not either
+as long as they leave some copy of each stage.
 
 On a reset the survivors (and any new workers) all-gather what they hold, pick the newest
-commit whose shards cover every child, and rebuild under the new plan from one copy of
-each shard (the full model passes through every rank once, briefly). Every digest here is
+commit whose shards cover every child (runtime/shards.py: covering_step, cover), and
+rebuild under the new plan from one copy of each shard (the full model passes through
+every rank once, briefly). Every digest here is
 ``model_digest``: sha256 over (name, sha256 of bytes) of every tensor, sorted by name,
 so per-stage digests combine into the full model's.
 """
@@ -40,19 +43,6 @@ def model_digest(digests: dict[str, str]) -> str:
     return whole.hexdigest()[:16]
 
 
-def buddies(hosts: list[str], pp: int, dp: int) -> list[int]:
-    """For dp = 1: each rank's buddy, the next rank (cyclically) on another host, or the
-    next rank when every rank shares one host. With dp >= 2 replicas are the copies."""
-    size = len(hosts)
-    if dp > 1 or size == 1:
-        return list(range(size))
-    out = []
-    for rank in range(size):
-        later = [(rank + k) % size for k in range(1, size)]
-        out.append(next((r for r in later if hosts[r] != hosts[rank]), later[0]))
-    return out
-
-
 def to_bytes(obj) -> torch.Tensor:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
@@ -79,25 +69,6 @@ def exchange(transport: Transport, obj, send_to: int | None, recv_from: list[int
     for handle in received + handles[len(recv_from):]:
         handle.wait()
     return [from_bytes(buffers[p]) for p in recv_from]
-
-
-def covering_step(items: list[dict], children: int) -> int | None:
-    """The newest committed step whose held shards (``items``: every rank's generations,
-    each {"rank", "step", "ranges"}) cover children 0..children-1."""
-    for step in sorted({i["step"] for i in items}, reverse=True):
-        covered = {c for i in items if i["step"] == step for a, b in i["ranges"] for c in range(a, b)}
-        if covered >= set(range(children)):
-            return step
-    return None
-
-
-def contributors(items: list[dict], step: int) -> dict[tuple, int]:
-    """One holder per shard range of ``step``: the lowest rank holding it."""
-    chosen: dict[tuple, int] = {}
-    for item in sorted((i for i in items if i["step"] == step), key=lambda i: i["rank"]):
-        for rng in map(tuple, item["ranges"]):
-            chosen.setdefault(rng, item["rank"])
-    return chosen
 
 
 def shard_bytes(shards: dict) -> int:

@@ -1,25 +1,21 @@
 """One rank's stage: split its replica's batch into microbatches, run the schedule,
-then sum gradients (and, on the last stage, the loss) over the stage's data-parallel
-peers in one flat buffer.
+then sum gradients over the stage's data-parallel peers in one flat buffer.
 
 The last stage scales every microbatch's summed loss by 1 / (the whole step's loss-term
 count over all replicas) before backward, so after the sum over replicas each gradient
 is exactly the combined batch's mean gradient, as the single-process model computes it.
 
-A stage lives on one device (``stage_device``): CPU unless asked, else the rank's GPU. Its
+A stage lives on one device (runtime/device.py): CPU unless asked, else the rank's GPU. Its
 module, its microbatches and the buffers its activations and gradients arrive in are
 there; the transport moves device tensors (transport.py).
 """
 from __future__ import annotations
 
-import os
 import time
 from typing import Protocol
 
 import torch
 from torch import nn
-
-from elastic.config import ConfigError
 
 from .config import Plan
 from .executor import StageExecutor, StageStats
@@ -43,47 +39,6 @@ class PipelineJob(Protocol):
     def evaluate(self, model: nn.Module) -> dict[str, float]: ...
 
 
-LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "HOROVOD_LOCAL_RANK", "LOCAL_RANK",
-                   "MPI_LOCALRANKID", "SLURM_LOCALID")
-
-
-def launcher_local_rank() -> int:
-    """This process's index among the ranks on its machine, as the launcher set it (0 if none)."""
-    for name in LOCAL_RANK_VARS:
-        if os.environ.get(name, "").strip().isdigit():
-            return int(os.environ[name])
-    return 0
-
-
-def stage_device(request: str | None = None, local_rank: int | None = None) -> torch.device:
-    """Where a stage lives. ``request``: ``cpu``, ``cuda`` (the rank's GPU), ``cuda:N``, or
-    ``auto`` (cuda when available, else cpu); None reads ``REGATTA_DEVICE``, and without it
-    the stage stays on the CPU, so no run changes device unasked. The rank's GPU is
-    ``cuda:<local_rank % device count>``, local_rank from the launcher's environment when
-    not given."""
-    text = (request or os.environ.get("REGATTA_DEVICE") or "cpu").strip().lower()
-    if text == "auto":
-        text = "cuda" if torch.cuda.is_available() else "cpu"
-    if text == "cpu":
-        return torch.device("cpu")
-    if text == "cuda" or text.startswith("cuda:"):
-        if not torch.cuda.is_available():
-            raise ConfigError(f"pipeline device {text!r} asked for, but torch {torch.__version__} "
-                              f"sees no CUDA device; use cpu or auto")
-        if text != "cuda":
-            try:
-                index = int(text.split(":", 1)[1])
-            except ValueError:
-                raise ConfigError(f"pipeline device {text!r}: expected cuda:N") from None
-            if not 0 <= index < torch.cuda.device_count():
-                raise ConfigError(f"pipeline device {text!r}, but only "
-                                  f"{torch.cuda.device_count()} CUDA devices are visible")
-            return torch.device("cuda", index)
-        rank = launcher_local_rank() if local_rank is None else local_rank
-        return torch.device("cuda", rank % torch.cuda.device_count())
-    raise ConfigError(f"pipeline device must be cpu, cuda, cuda:N or auto, got {text!r}")
-
-
 def split(batch: tuple, microbatches: int) -> list[tuple]:
     """``microbatches`` equal consecutive slices of every tensor of ``batch``."""
     n = len(batch[0])
@@ -95,10 +50,10 @@ def split(batch: tuple, microbatches: int) -> list[tuple]:
 
 class PipelineStage:
     def __init__(self, job: PipelineJob, plan: Plan, grid: Grid, transport: Transport,
-                 module: nn.Module, device: torch.device | str | None = None):
-        """Moves ``module`` to ``device`` (a torch.device, or a ``stage_device`` request;
-        None: ``REGATTA_DEVICE``, default cpu). Build the optimizer after this."""
-        self.device = device if isinstance(device, torch.device) else stage_device(device)
+                 module: nn.Module, device: torch.device | None = None):
+        """Moves ``module`` to ``device`` (default: the CPU; runtime.device chooses).
+        Build the optimizer after this."""
+        self.device = torch.device(device or "cpu")
         module.to(self.device)
         self.job, self.plan, self.grid, self.transport, self.module = job, plan, grid, transport, module
         self.executor = StageExecutor(module, grid, transport,
@@ -116,19 +71,15 @@ class PipelineStage:
         targets = micro if self.grid.is_last else None
         return self.executor.run(self.actions, inputs, targets, scale=1.0 / global_count)
 
-    def reduce(self, stats: StageStats) -> tuple[float | None, float, int]:
-        """Sum gradients (+ loss) over replicas in place. Returns (the step's summed loss
-        on the last stage else None, seconds spent, bytes reduced)."""
+    def reduce(self) -> tuple[float, int]:
+        """Sum gradients over replicas in place. Returns (seconds spent, bytes reduced)."""
         started = time.perf_counter()
         params = [p for p in self.module.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        extra = ([torch.tensor([stats.loss_sum], dtype=torch.float32, device=self.device)]
-                 if self.grid.is_last else [])
-        flat = torch.cat([g.reshape(-1).float() for g in grads] + extra)
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
         self.transport.allreduce_dp(flat)
         offset = 0
         for param, grad in zip(params, grads):
             param.grad = flat[offset:offset + grad.numel()].view_as(grad).to(grad.dtype)
             offset += grad.numel()
-        loss = float(flat[-1]) if self.grid.is_last else None
-        return loss, time.perf_counter() - started, flat.numel() * 4 if self.grid.dp > 1 else 0
+        return time.perf_counter() - started, flat.numel() * 4 if self.grid.dp > 1 else 0

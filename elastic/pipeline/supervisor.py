@@ -17,7 +17,7 @@ import argparse
 import json
 import os
 import re
-import signal
+import secrets
 import subprocess
 import sys
 import time
@@ -25,19 +25,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from elastic.config import ConfigError
-from elastic.events import EventLog
+from elastic.runtime.events import EventLog
+from elastic.launch.stopping import Stopping, stop_tree
 from elastic.launch.hosts import Host, parse_hostfile
+from elastic.launch.target import Target
 
 from .checkpoint import read_manifest
 
 KILLED = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)")
 LOST = re.compile(r"Remote daemon: \S+ on node (\S+)")
-FORWARD_ENV = ("OMP_NUM_THREADS", "PYTHONPATH", "REGATTA_PROCS_PER_MACHINE", "REGATTA_FAULTS")
+FORWARD_ENV = ("OMP_NUM_THREADS", "PYTHONPATH", "REGATTA_PROCS_PER_MACHINE", "REGATTA_FAULTS",
+               "REGATTA_RUN_ID")
 
 
 @dataclass
 class SupervisorConfig:
-    job: str                          # module under jobs/
+    job: str                          # a job under jobs/, a module or a script path
     hostfile: str
     pp: int = 2
     microbatches: int = 0             # 0: the job's config decides
@@ -54,6 +57,7 @@ class SupervisorConfig:
             raise ConfigError(f"--pp must be >= 1, got {self.pp}")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        Target.parse(self.job)    # fails now, naming it, if there is nothing to launch
         if not Path(self.hostfile).exists():
             raise ConfigError(f"--hostfile {self.hostfile} does not exist")
 
@@ -107,18 +111,20 @@ def _root() -> list[str]:
     return ["--allow-run-as-root"] if os.geteuid() == 0 else []
 
 
-def command(cfg: SupervisorConfig, hostfile: Path, pp: int, dp: int) -> list[str]:
+def command(cfg: SupervisorConfig, hostfile: Path, pp: int, dp: int, resume: bool = False) -> list[str]:
+    """The mpirun command of one attempt; every attempt joins the run REGATTA_RUN_ID names,
+    and the ones after a checkpoint resume from it."""
     forward = [arg for name in FORWARD_ENV if name in os.environ for arg in ("-x", name)]
     # After the user's job arguments, so that the re-plan wins over them.
     job = ["--pp", str(pp), "--dp", str(dp), "--run-dir", cfg.run_dir,
-           "--set", "pipeline.engine=pipeline"]
+           "--set", "pipeline.engine=pipeline"] + (["--resume", "auto"] if resume else [])
     if pp != cfg.pp:
         job += ["--boundaries", ""]     # hand-set boundaries were for the old stage count
     if cfg.microbatches:
         job += ["--microbatches", str(cfg.microbatches)]
     return [cfg.mpirun, *_root(), "--hostfile", str(hostfile), "-np", str(pp * dp),
             "--map-by", "slot", "--bind-to", "none", *forward, *cfg.mpirun_args,
-            sys.executable, "-m", f"jobs.{cfg.job}", *cfg.job_args, *job]
+            sys.executable, *Target.parse(cfg.job).python_args(), *cfg.job_args, *job]
 
 
 def attempt(cfg: SupervisorConfig, hosts: list[Host], number: int, deadline: float) -> dict:
@@ -130,36 +136,31 @@ def attempt(cfg: SupervisorConfig, hosts: list[Host], number: int, deadline: flo
     log_path = folder / f"attempt-{number}.log"
     manifest = read_manifest(_checkpoint_dir(cfg))
     started = time.monotonic()
-    with open(log_path, "w") as log:
+    with open(log_path, "w") as log, Stopping() as stopping:
         # Its own process group, so that stopping it reaches every rank mpirun started.
-        proc = subprocess.Popen(command(cfg, hostfile, pp, dp), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        previous = {sig: signal.signal(sig, lambda *_: _stop(proc, exit_=True))
-                    for sig in (signal.SIGTERM, signal.SIGINT)}
+        proc = subprocess.Popen(command(cfg, hostfile, pp, dp, resume=manifest is not None),
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        stopping.forward_to(proc, group=True)   # SIGTERM, SIGINT, SIGHUP; a second one forces
         try:
-            code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _stop(proc)
-            code = None
+            code = _wait(proc, deadline, stopping)
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            if proc.poll() is None:
+                stop_tree(proc)
+        if stopping.requested:
+            raise SystemExit(128 + stopping.requested)
     return {"attempt": number, "hosts": [[h.name, h.slots] for h in hosts], "pp": pp, "dp": dp,
             "np": pp * dp, "exit_code": code, "resumed_from": manifest["step"] if manifest else 0,
             "duration_s": round(time.monotonic() - started, 3), "log": str(log_path)}
 
 
-def _stop(proc: subprocess.Popen, exit_: bool = False) -> None:
-    """End mpirun and its ranks (SIGTERM, then SIGKILL); with ``exit_``, then this process."""
-    for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+def _wait(proc: subprocess.Popen, deadline: float, stopping: Stopping) -> int | None:
+    """mpirun's exit code; None when the deadline passed or a signal asked to stop."""
+    while not stopping.requested and time.monotonic() < deadline:
         try:
-            os.killpg(proc.pid, sig)
-            proc.wait(grace)
-            break
-        except (ProcessLookupError, subprocess.TimeoutExpired):
+            return proc.wait(timeout=0.2)
+        except subprocess.TimeoutExpired:
             continue
-    if exit_:
-        raise SystemExit(143)
+    return None
 
 
 def _checkpoint_dir(cfg: SupervisorConfig) -> Path:
@@ -175,6 +176,8 @@ def supervise(cfg: SupervisorConfig) -> dict:
     """Run the job to completion through up to ``max_restarts`` relaunches; return a
     report (also written to <run_dir>/supervisor/report.json)."""
     hosts = parse_hostfile(Path(cfg.hostfile).read_text(), cfg.hostfile)
+    # One run across every relaunch (the workers read it from the environment mpirun forwards).
+    os.environ.setdefault("REGATTA_RUN_ID", f"{cfg.job}-{secrets.token_hex(5)}")
     events = EventLog(cfg.run_dir, "supervisor", 0)
     deadline = time.monotonic() + cfg.timeout
     attempts = []
@@ -212,7 +215,7 @@ def _result(cfg: SupervisorConfig) -> dict | None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``python -m elastic.pipeline.supervisor`` (for ``regatta``'s parser)."""
-    parser.add_argument("job", help="job module under jobs/ (e.g. charlm)")
+    parser.add_argument("job", help="a job under jobs/ (e.g. charlm), a module or a script path")
     parser.add_argument("--hostfile", required=True, help="OpenMPI hostfile: HOST slots=N")
     parser.add_argument("--pp", type=int, default=2, help="pipeline stages")
     parser.add_argument("--microbatches", type=int, default=0)

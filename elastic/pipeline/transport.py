@@ -6,10 +6,16 @@
 * :class:`GlooTransport` (runs launched by ``horovodrun``, where there is no MPI world, see
   shared/DESIGN.md): a torch.distributed Gloo group, with one sub-group per stage.
 
-Both wait by polling with a short sleep instead of blocking inside the library: OpenMPI
-busy-spins in ``Wait``, and with several ranks per core (CI, laptops) a spinning stage
-steals the CPU from the stage it is waiting for. The sleep is capped at ``poll_cap_s``.
-Pickling is used only off the hot path (``gather_object`` at the end of a run).
+A stage sends and receives every step's activations and gradients through the same
+buffers (``send_channel``, ``recv_channel``: under MPI persistent requests, started again
+each step; under Gloo a fresh send or receive on the kept buffer), and the executor posts
+all of a step's receives when the step starts: a message is taken in whenever it
+arrives, and the hot path sets nothing up.
+
+MPI requests are waited on by testing them (waiting.py: OpenMPI busy-spins in ``Wait``,
+which steals the CPU from the stage being waited for when ranks share cores). Gloo's own
+wait sleeps on a condition and is used as is. Pickling is used only off the hot path
+(``gather_object`` at the end of a run).
 
 Device tensors (a stage on CUDA, see stage.py) go through host buffers unless the library
 reads and writes that device's memory itself (``direct_devices``): a send copies the
@@ -30,27 +36,18 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 
 import torch
 
-POLL_CAP_S = 2e-4
-
-
-def poll(done, cap_s: float = POLL_CAP_S) -> None:
-    """Return once ``done()`` is true; spin briefly, then sleep with a growing delay."""
-    delay = 0.0
-    while not done():
-        if delay:
-            time.sleep(delay)
-        delay = min(cap_s, max(delay * 2, 1e-6))
+from .waiting import POLL_CAP_S, SPIN_ALONE_S, SPIN_S, fine_timer_slack, poll
 
 
 class Handle:
     """One outstanding send or receive; keeps its tensor alive until complete."""
+    _spin = SPIN_S
 
-    def __init__(self, request, tensor: torch.Tensor, cap_s: float):
-        self.request, self.tensor, self._cap = request, tensor, cap_s
+    def __init__(self, request, tensor: torch.Tensor, cap_s: float, spin_s: float = SPIN_S):
+        self.request, self.tensor, self._cap, self._spin = request, tensor, cap_s, spin_s
         self._done = False
 
     def test(self) -> bool:
@@ -59,7 +56,7 @@ class Handle:
         return self._done
 
     def wait(self) -> torch.Tensor:
-        poll(self.test, self._cap)
+        poll(self.test, self._cap, self._spin)
         return self.tensor
 
     def _test(self) -> bool:
@@ -98,6 +95,14 @@ class _Staged(Handle):
         return self.tensor
 
 
+class Channel:
+    """A send of, or a receive into, one buffer, posted again every step: ``start()``
+    posts it and returns its handle."""
+
+    def __init__(self, start):
+        self.start = start
+
+
 def host_buffer(tensor: torch.Tensor) -> torch.Tensor:
     """An empty CPU tensor shaped like ``tensor``, pinned when ``tensor`` is on CUDA."""
     return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
@@ -122,6 +127,31 @@ class Transport:
         if self._direct(tensor):
             return self._irecv(tensor, peer, tag)
         return _Staged(self._irecv(host_buffer(tensor), peer, tag), tensor, receive=True)
+
+    def recv_channel(self, tensor: torch.Tensor, peer: int, tag: int) -> Channel:
+        """Receives from ``peer`` with ``tag`` into ``tensor``, one per ``start()``."""
+        if self._direct(tensor):
+            return self._recv_channel(tensor, peer, tag)
+        inner = self._recv_channel(host_buffer(tensor), peer, tag)
+        return Channel(lambda: _Staged(inner.start(), tensor, receive=True))
+
+    def send_channel(self, tensor: torch.Tensor, peer: int, tag: int) -> Channel:
+        """Sends of ``tensor``'s content at each ``start()`` to ``peer`` with ``tag``."""
+        if self._direct(tensor):
+            return self._send_channel(tensor, peer, tag)
+        host = host_buffer(tensor)
+        inner = self._send_channel(host, peer, tag)
+
+        def start() -> Handle:
+            host.copy_(tensor)        # synchronous: the buffer is complete before it is sent
+            return _Staged(inner.start(), tensor, receive=False)
+        return Channel(start)
+
+    def _recv_channel(self, tensor: torch.Tensor, peer: int, tag: int) -> Channel:
+        return Channel(lambda: self._irecv(tensor, peer, tag))
+
+    def _send_channel(self, tensor: torch.Tensor, peer: int, tag: int) -> Channel:
+        return Channel(lambda: self._isend(tensor, peer, tag))
 
     def allreduce_dp(self, flat: torch.Tensor) -> None:
         """In-place sum over dp peers."""
@@ -155,13 +185,13 @@ def _bytes(tensor: torch.Tensor):
     return flat.numpy()
 
 
-def mpi_cuda_aware(comm) -> bool:
-    """Whether this MPI moves CUDA memory itself: ``REGATTA_MPI_CUDA_AWARE=0|1`` if set,
-    else what the library reports (``Query_cuda_support`` where mpi4py exposes Open MPI's
-    MPIX extension, or ``cuda`` among the MPI 4.1 ``mpi_memory_alloc_kinds``), else no."""
-    forced = os.environ.get("REGATTA_MPI_CUDA_AWARE", "").strip()
-    if forced:
-        return forced.lower() in ("1", "true", "yes")
+def mpi_cuda_aware(comm, forced: bool | None = None) -> bool:
+    """Whether this MPI moves CUDA memory itself: ``forced`` (``REGATTA_MPI_CUDA_AWARE``)
+    if given, else what the library reports (``Query_cuda_support`` where mpi4py exposes
+    Open MPI's MPIX extension, or ``cuda`` among the MPI 4.1 ``mpi_memory_alloc_kinds``),
+    else no."""
+    if forced is not None:
+        return forced
     from mpi4py import MPI
     query = getattr(MPI, "Query_cuda_support", None)
     if query is not None:
@@ -177,7 +207,8 @@ def mpi_cuda_aware(comm) -> bool:
 
 
 class MpiTransport(Transport):
-    def __init__(self, dp_color: int, dp_key: int, comm=None, poll_cap_s: float = POLL_CAP_S):
+    def __init__(self, dp_color: int, dp_key: int, comm=None, poll_cap_s: float = POLL_CAP_S,
+                 cuda_aware: bool | None = None):
         from mpi4py import MPI
         self._mpi = MPI
         # A private duplicate: our tags never meet another library's messages.
@@ -185,16 +216,39 @@ class MpiTransport(Transport):
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.dp_comm = self.comm.Split(color=dp_color, key=dp_key)
         self._cap = poll_cap_s
-        if torch.cuda.is_available() and mpi_cuda_aware(self.comm):
+        here = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
+        self._spin = SPIN_ALONE_S if here.Get_size() <= len(os.sched_getaffinity(0)) else SPIN_S
+        here.Free()
+        self._persistent: list = []
+        if torch.cuda.is_available() and mpi_cuda_aware(self.comm, cuda_aware):
             self.direct_devices = frozenset({"cpu", "cuda"})
+        fine_timer_slack()
 
     def _isend(self, tensor, peer, tag):
         return Handle(self.comm.Isend([_bytes(tensor), self._mpi.BYTE], dest=peer, tag=tag),
-                      tensor, self._cap)
+                      tensor, self._cap, self._spin)
 
     def _irecv(self, tensor, peer, tag):
         return Handle(self.comm.Irecv([_bytes(tensor), self._mpi.BYTE], source=peer, tag=tag),
-                      tensor, self._cap)
+                      tensor, self._cap, self._spin)
+
+    def _recv_channel(self, tensor, peer, tag):
+        return self._persistent_channel(
+            self.comm.Recv_init([_bytes(tensor), self._mpi.BYTE], source=peer, tag=tag), tensor)
+
+    def _send_channel(self, tensor, peer, tag):
+        return self._persistent_channel(
+            self.comm.Send_init([_bytes(tensor), self._mpi.BYTE], dest=peer, tag=tag), tensor)
+
+    def _persistent_channel(self, request, tensor) -> Channel:
+        self._persistent.append(request)
+
+        def start() -> Handle:
+            if tensor.is_cuda:   # kernels writing (or still reading) the buffer come first
+                torch.cuda.current_stream(tensor.device).synchronize()
+            request.Start()
+            return Handle(request, tensor, self._cap, self._spin)
+        return Channel(start)
 
     def _allreduce_dp(self, flat):
         if self.dp_comm.Get_size() == 1:
@@ -206,15 +260,20 @@ class MpiTransport(Transport):
         request = self.dp_comm.Iallreduce(self._mpi.IN_PLACE,
                                           [flat if flat.is_cuda else flat.numpy(), self._mpi.FLOAT],
                                           op=self._mpi.SUM)
-        poll(request.Test, self._cap)
+        poll(request.Test, self._cap, self._spin)
 
     def gather_object(self, obj, root=0):
         return self.comm.gather(obj, root=root)
 
     def barrier(self):
-        poll(self.comm.Ibarrier().Test, self._cap)
+        poll(self.comm.Ibarrier().Test, self._cap, self._spin)
 
     def close(self):
+        for request in self._persistent:
+            try:
+                request.Free()
+            except Exception:  # noqa: BLE001 - still posted after a failed step
+                pass
         self.dp_comm.Free()
         self.comm.Free()
 
@@ -260,33 +319,18 @@ def free_port(host: str = "") -> int:
         return s.getsockname()[1]
 
 
-def under_mpirun() -> bool:
-    return any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
-
-
-def gloo_init_method(rank: int) -> str:
-    """Where the Gloo group meets: ``REGATTA_PIPE_INIT`` if set; under mpirun, an address
-    rank 0 picks and broadcasts over MPI; under horovodrun, over Horovod (with an explicit
-    name: see DESIGN.md on broadcast_object hanging otherwise)."""
-    if os.environ.get("REGATTA_PIPE_INIT"):
-        return os.environ["REGATTA_PIPE_INIT"]
-    mine = None
-    if rank == 0:
-        host = socket.gethostbyname(os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname())
-        mine = f"tcp://{host}:{free_port()}"
-    if under_mpirun():
-        from mpi4py import MPI
-        return MPI.COMM_WORLD.bcast(mine, root=0)
-    import horovod.torch as hvd
-    hvd.init()
-    return hvd.broadcast_object(mine, root_rank=0, name="regatta.pipeline.init_method")
-
-
-def make_transport(kind: str, rank: int, size: int, stage_groups: list[list[int]],
-                   my_group: int) -> Transport:
-    """``kind``: mpi | gloo | auto (mpi under mpirun, else gloo)."""
+def make_transport(kind: str, world, stage_groups: list[list[int]], my_group: int,
+                   collectives, env) -> Transport:
+    """``kind``: mpi | gloo | auto (mpi under mpirun, else gloo). A Gloo group meets at
+    ``REGATTA_PIPE_INIT`` if set, else at an address rank 0 picks and broadcasts over the
+    runtime's collectives (MPI or Horovod)."""
     if kind == "auto":
-        kind = "mpi" if under_mpirun() else "gloo"
+        kind = "mpi" if env.launcher == "mpirun" else "gloo"
     if kind == "mpi":
-        return MpiTransport(dp_color=my_group, dp_key=rank)
-    return GlooTransport(rank, size, gloo_init_method(rank), stage_groups, my_group)
+        return MpiTransport(dp_color=my_group, dp_key=world.rank, cuda_aware=env.mpi_cuda_aware)
+    init = env.pipe_init
+    if not init:
+        from elastic.recovery import host_address   # reachable from other namespaces too
+        mine = f"tcp://{host_address(world.host)}:{free_port()}" if world.is_root else None
+        init = collectives.broadcast_object(mine, "regatta.pipe.init_method")
+    return GlooTransport(world.rank, world.size, init, stage_groups, my_group)

@@ -10,18 +10,38 @@ const R = (() => {
   const state = {
     x: localStorage.getItem("regatta.x") === "time" ? "time" : "step",
     logY: localStorage.getItem("regatta.logy") === "1",
+    minor: localStorage.getItem("regatta.minor") !== "0",   // the rug of minor events
     paused: false,
   };
 
-  async function api(path, params) {
+  async function api(path, params, init) {
     const url = new URL("/api/v1/" + path, location.origin);
     for (const [k, v] of Object.entries(params || {})) {
       if (v !== null && v !== undefined) url.searchParams.set(k, v);
     }
-    const response = await fetch(url, {cache: "no-store"});
-    const body = await response.json();
+    const response = await fetch(url, Object.assign({cache: "no-store"}, init || {}));
+    let body = {};
+    try { body = await response.json(); } catch (err) { body = {error: response.statusText}; }
     if (!response.ok) throw new Error(body.error || response.statusText);
     return body;
+  }
+
+  // A write (run edits): the write token is asked once and kept for this tab only.
+  async function write(path, method, payload) {
+    let token = sessionStorage.getItem("regatta.token");
+    if (!token) {
+      token = prompt("Write token of this dashboard (the server's ingest token):") || "";
+      if (!token) throw new Error("no token given");
+    }
+    try {
+      const body = await api(path, null, {method, headers: {"Content-Type": "application/json",
+        Authorization: "Bearer " + token}, body: payload ? JSON.stringify(payload) : undefined});
+      sessionStorage.setItem("regatta.token", token);
+      return body;
+    } catch (err) {
+      sessionStorage.removeItem("regatta.token");
+      throw err;
+    }
   }
 
   const css = (name) => getComputedStyle(document.documentElement).getPropertyValue(name).trim();
@@ -129,6 +149,15 @@ const R = (() => {
       sync();
       redraw();
     }));
+    const minor = document.getElementById("minor");
+    if (minor) {
+      minor.checked = state.minor;
+      minor.addEventListener("change", () => {
+        state.minor = minor.checked;
+        localStorage.setItem("regatta.minor", state.minor ? "1" : "0");
+        redraw();
+      });
+    }
     const logy = document.getElementById("logy");
     if (logy) {
       logy.checked = state.logY;
@@ -141,6 +170,6 @@ const R = (() => {
     sync();
   }
 
-  return {api, css, layout, draw, xs, xTitle, fmt, el, esc, live, controls, showError, state,
+  return {api, write, css, layout, draw, xs, xTitle, fmt, el, esc, live, controls, showError, state,
           pollMs, plotConfig};
 })();

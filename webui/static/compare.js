@@ -33,7 +33,8 @@
     entry.dirty = entry.dirty || fresh.some(Boolean);
     if (!full && !(entry.dirty && Date.now() - entry.slowAt > SLOW_MS)) return fresh.some(Boolean);
     const [info, events, timeline] = await Promise.all([full ? R.api(entry.base) : entry.info,
-      R.api(entry.base + "/events", {kinds: "failure,host_added,host_removed"}),
+      R.api(entry.base + "/events", {kinds: Object.keys(EVENT_KINDS).filter(
+        (k) => EVENT_KINDS[k].klass === "major").join(",")}),
       R.api(entry.base + "/timeline")]);
     Object.assign(entry, {info, events: events.events, timeline, slowAt: Date.now(), dirty: false});
     return true;
@@ -45,10 +46,10 @@
       if (!r.info) continue;
       const s = pick(r);
       if (s) {
-        traces.push(C.line(runId, s, r.info.started_at, Object.assign(
+        traces.push(C.line(r.info.name || runId, s, r.info.started_at, Object.assign(
           {line: {color: r.color, width: 2}}, extra || {})));
       }
-      for (const e of C.dedupe(r.events)) {
+      for (const e of C.dedupe(r.events).filter((e) => C.KIND(e.kind).klass === "major")) {
         const x = R.state.x === "time" ? e.wall_time - r.info.started_at : e.step;
         shapes.push({type: "line", xref: "x", yref: "paper", x0: x, x1: x, y0: 0, y1: 1,
                      line: {color: r.color, dash: e.kind === "failure" ? "solid" : "dash", width: 1}});
@@ -59,7 +60,42 @@
     R.draw(id, traces, lay);
   }
 
+  function flatten(obj, prefix, out) {
+    for (const [k, v] of Object.entries(obj || {})) {
+      if (v && typeof v === "object" && !Array.isArray(v)) flatten(v, prefix + k + ".", out);
+      else out.set(prefix + k, JSON.stringify(v));
+    }
+    return out;
+  }
+
+  // Every setting of the compared runs; the ones that differ are marked (and, with the
+  // box ticked, the only ones shown).
+  function renderConfig() {
+    const shown = [...runs.entries()].filter(([, r]) => r.info);
+    const configs = shown.map(([, r]) => flatten(r.info.config, "", new Map()));
+    const keys = [...new Set(configs.flatMap((c) => [...c.keys()]))].sort();
+    const onlyDiff = document.getElementById("only-diff").checked;
+    const head = R.el("tr", {}, R.el("th", {}, "Setting"), ...shown.map(([id, r]) => {
+      const th = R.el("th", {}, r.info.name || id);
+      th.style.color = r.color;
+      return th;
+    }));
+    const rows = [];
+    for (const k of keys) {
+      const values = configs.map((c) => (c.has(k) ? c.get(k) : "–"));
+      const differs = new Set(values).size > 1;
+      if (onlyDiff && !differs) continue;
+      rows.push(R.el("tr", {class: differs ? "diff" : ""}, R.el("td", {}, k),
+                     ...values.map((v) => R.el("td", {class: "mono"}, v))));
+    }
+    document.querySelector("#config-diff thead").replaceChildren(head);
+    document.querySelector("#config-diff tbody").replaceChildren(...(rows.length ? rows
+      : [R.el("tr", {}, R.el("td", {colspan: shown.length + 1, class: "muted"},
+          onlyDiff ? "The configs do not differ." : "No config recorded."))]));
+  }
+
   function render() {
+    renderConfig();
     for (const [id, title, yTitle, metric] of CHARTS) {
       draw(id, title, yTitle, (r) => r.bufs[metric].get("all"));
     }
@@ -96,6 +132,7 @@
 
   ids.forEach(load);
   R.controls(render);
+  document.getElementById("only-diff").addEventListener("change", renderConfig);
   picker().catch(R.showError);
   Promise.all([...runs.values()].map((r) => update(r, true))).then(render).catch(R.showError)
     .finally(() => R.live(async () => {

@@ -5,19 +5,19 @@
 (() => {
   const runId = document.body.dataset.run;
   const base = "runs/" + encodeURIComponent(runId);
-  const PARTS = [["data_time", "data"], ["compute_time", "compute"], ["comm_time", "comm"],
-                 ["wait_time", "wait"]];
   const series = (metric, by) => new C.SeriesBuf(base + "/series", {metric, by});
   const imbalanceShape = (b) => ["step_time", "compute_time"].map(
     (key) => ({key, step: b.step, time: b.time, value: b[key]}));
   const bufs = {
-    throughput: series("samples_per_s", "host"), steptime: series("step_time", "rank"),
+    throughput: series("samples_per_s", "host"), steptime: series("step_time", "slot"),
     comm: series("comm_fraction", "all"), bw: series("bus_bandwidth", "all"),
     loss: series("loss", "all"), imbalance: new C.SeriesBuf(base + "/imbalance", {}, imbalanceShape),
+    hosts: H.buffer(base + "/hosts"),
   };
   const d = {run: null, events: [], eventCursor: null, recoveries: [], timeline: null,
-             breakdown: [], pipeline: null, by: "rank"};
+             breakdown: {step: [], parts: []}, pipeline: null, by: "slot", custom: new Map()};
 
+  // Processes are host:slot (stable across resets); the rank they had is a detail.
   const label = (key) => (d.by === "rank" ? "rank " + key : String(key));
 
   async function loadEvents() {
@@ -27,18 +27,35 @@
   }
 
   async function loadBreakdown() {
-    // One bucket per rank (max_points=1): each part's mean over the whole run.
-    const parts = await Promise.all(PARTS.map(([metric]) => R.api(base + "/series",
-      {metric, by: d.by, max_points: 1})));
-    d.breakdown = parts.map((body, i) => ({name: PARTS[i][1], series: body.series}));
+    d.breakdown = await B.load(base + "/series", d.by);
   }
 
   async function loadDerived() {
     const [rec, timeline, pipe] = await Promise.all([R.api(base + "/recoveries"),
-      R.api(base + "/timeline"), R.api(base + "/pipeline"), loadBreakdown()]);
+      R.api(base + "/timeline"), R.api(base + "/pipeline"), loadBreakdown(), loadCustom()]);
     d.recoveries = rec.recoveries;
     d.timeline = timeline;
     d.pipeline = pipe.pipeline;
+  }
+
+  // User-logged metrics (eval loss, accuracy, ...): one chart each, polled by id cursor.
+  async function loadCustom() {
+    const {names} = await R.api(base + "/metrics/custom");
+    for (const {name} of names) {
+      if (!d.custom.has(name)) d.custom.set(name, {name, step: [], time: [], value: [], rank: [], cursor: null});
+    }
+  }
+
+  async function pollCustom() {
+    let changed = false;
+    await Promise.all([...d.custom.values()].map(async (m) => {
+      const body = await R.api(base + "/metrics/custom", {name: m.name, since: m.cursor});
+      if (!body.value.length) return;
+      for (const f of ["step", "time", "value", "rank"]) m[f] = m[f].concat(body[f]);
+      m.cursor = body.cursor;
+      changed = true;
+    }));
+    return changed;
   }
 
   // Series and events poll with cursors: cheap however long the run. The run summary,
@@ -55,12 +72,14 @@
   async function refresh(full) {
     if (full) {
       await Promise.all([...Object.values(bufs).map((b) => b.load()), loadEvents(), loadSlow()]);
+      await pollCustom();
       return render();
     }
     const seen = d.eventCursor;
     const fresh = await Promise.all(Object.values(bufs).map((b) => b.poll()));
     await loadEvents();
-    const changed = fresh.some(Boolean) || d.eventCursor !== seen;
+    const custom = await pollCustom();
+    const changed = fresh.some(Boolean) || d.eventCursor !== seen || custom;
     dirty = dirty || changed;
     const age = Date.now() - slowAt;
     const slow = (dirty && age > SLOW_MS) || age > 60_000;
@@ -75,6 +94,13 @@
     const status = document.getElementById("run-status");
     status.textContent = r.status;
     status.className = "badge " + r.status;
+    status.title = r.error || (r.status === "lost" ? "running, but no rows for a while" : "");
+    document.getElementById("run-name").textContent = r.name || "";
+    document.getElementById("run-tags").replaceChildren(...r.tags.map((t) =>
+      R.el("a", {class: "tag", href: "/?tag=" + encodeURIComponent(t)}, t)));
+    const error = document.getElementById("run-error");
+    error.hidden = !r.error;
+    error.textContent = r.error ? "Failed: " + r.error : "";
     const tiles = [
       ["Job", r.job, r.launcher],
       ["World size now", r.world_size,
@@ -86,11 +112,12 @@
                                                                       minute: "2-digit"}),
        new Date(r.started_at * 1000).toLocaleDateString()],
       ["Failures survived", `${r.failures_survived} / ${r.failures}`, ""],
-      ["Ranks · hosts", `${r.ranks} · ${r.hosts.length}`, r.hosts.join(" ")],
+      ["Processes · hosts", `${r.ranks} · ${r.hosts.length}`, r.hosts.join(" ")],
     ];
     document.getElementById("tiles").replaceChildren(...tiles.map(([k, v, sub]) =>
       R.el("div", {class: "tile"}, R.el("div", {class: "k"}, k),
-           R.el("div", {class: "v"}, v ?? "–"), R.el("div", {class: "sub", title: sub}, sub))));
+           R.el("div", {class: "v"}, v ?? "–"), R.el("div", {class: "sub", title: sub}, sub))),
+      B.tile(d.breakdown));
   }
 
   function drawTime(id, title, yTitle, traces, extra) {
@@ -108,7 +135,7 @@
     const steps = [...total.keys()].sort((a, b) => a - b);
     const sum = {step: steps, time: steps.map((s) => total.get(s).time),
                  value: steps.map((s) => total.get(s).value)};
-    const traces = hosts.map((s) => C.line(s.key, s, t0));
+    const traces = hosts.map((s) => C.line(s.key, s, t0, {}, bufs.throughput.bucket));
     if (hosts.length > 1) traces.push(C.line("total", sum, t0, {line: {dash: "dot", width: 2.5}}));
     drawTime("chart-throughput", "Throughput per host and total", "samples/s", traces);
   }
@@ -128,32 +155,21 @@
     const lay = C.timeLayout("Step time per " + (d.by === "rank" ? "rank" : d.by) + " (s)", "", ov);
     lay.yaxis = Object.assign(lay.yaxis, {type: "category", autorange: "reversed"});
     R.draw("chart-heatmap", [{type: "heatmap", x: R.xs(steps, times, t0),
-      y: rows.map((s) => label(s.key)), z, colorscale: "YlOrRd", reversescale: true,
+      y: rows.map((s) => R.esc(label(s.key))), z, colorscale: "YlOrRd", reversescale: true,
       hovertemplate: "%{y}<br>x %{x}: %{z:.4f} s<extra></extra>", colorbar: {thickness: 10}}], lay);
-  }
-
-  function renderBreakdown() {
-    const traces = d.breakdown.map((part) => ({type: "bar", orientation: "h", name: part.name,
-      y: part.series.map((s) => label(s.key)), x: part.series.map((s) => s.value[0]),
-      hovertemplate: `${part.name} %{x:.4f} s<extra>%{y}</extra>`}));
-    const lay = R.layout("Where each step goes (mean s)", {barmode: "stack"});
-    lay.legend.traceorder = "normal";  // data, compute, comm, wait: the order of a step
-    lay.yaxis = Object.assign(lay.yaxis, {type: "category", autorange: "reversed"});
-    lay.xaxis.title = {text: "seconds per step"};
-    R.draw("chart-breakdown", traces, lay);
   }
 
   function render() {
     const t0 = d.run.started_at;
     renderTiles();
     renderThroughput(t0);
-    drawTime("chart-steptime", "Step time per " + d.by, "seconds",
-             bufs.steptime.series.map((s) => C.line(label(s.key), s, t0)));
+    drawTime("chart-steptime", "Step time per " + (d.by === "slot" ? "process" : d.by), "seconds",
+             bufs.steptime.series.map((s) => C.line(label(s.key), s, t0, {}, bufs.steptime.bucket)));
     renderHeatmap(t0);
     const [st, ct] = ["step_time", "compute_time"].map((k) => bufs.imbalance.get(k));
     drawTime("chart-imbalance", "Imbalance: max / median across ranks", "ratio",
              st ? [C.line("step time", st, t0), C.line("compute time", ct, t0)] : []);
-    renderBreakdown();
+    B.render("chart-breakdown", d.breakdown, label);
     const comm = bufs.comm.get("all");
     let bw = bufs.bw.get("all");
     if (bw && !bw.value.some((v) => v > 0)) bw = null;  // one rank: no allreduce traffic
@@ -174,9 +190,70 @@
              [C.line("world size", {step: tl.step, time: tl.time, value: tl.world_size}, t0,
                      {line: {shape: "hv", width: 2.5}})]);
     renderLoss(t0);
+    H.render(bufs.hosts, t0, d.timeline, drawTime);
+    renderCustom(t0);
     renderPipeline();
     renderRecoveries();
+    renderConfig();
   }
+
+  function renderCustom(t0) {
+    const box = document.getElementById("custom-charts");
+    document.getElementById("custom-section").hidden = d.custom.size === 0;
+    for (const m of d.custom.values()) {
+      const id = "custom-" + [...m.name].map((c) => c.charCodeAt(0).toString(16)).join("");
+      if (!document.getElementById(id)) {
+        box.append(R.el("div", {class: "card chart", id, "data-metric": m.name}));
+      }
+      // Values logged without a step sit at the step the run was at then.
+      const steps = m.step.map((st, i) => st ?? C.stepAt(d.timeline, m.time[i]));
+      drawTime(id, m.name, "value", [C.line(m.name, {step: steps, time: m.time, value: m.value}, t0,
+                                            {mode: "lines+markers"})]);
+    }
+  }
+
+  // The run's whole config as a table: one row per setting, sections flattened.
+  function flatten(obj, prefix, out) {
+    for (const [k, v] of Object.entries(obj || {})) {
+      if (v && typeof v === "object" && !Array.isArray(v)) flatten(v, prefix + k + ".", out);
+      else out.push([prefix + k, JSON.stringify(v)]);
+    }
+    return out;
+  }
+
+  function renderConfig() {
+    const rows = flatten(d.run.config, "", []);
+    document.querySelector("#config tbody").replaceChildren(...(rows.length ? rows.map(([k, v]) =>
+      R.el("tr", {}, R.el("td", {}, k), R.el("td", {class: "mono"}, v)))
+      : [R.el("tr", {}, R.el("td", {colspan: 2, class: "muted"},
+          d.run.config_error ? "config unreadable: " + d.run.config_error : "no config recorded"))]));
+    const form = document.getElementById("manage");
+    if (!form.dataset.filled) {   // fill once; the user may be typing
+      form.elements.name.value = d.run.name || "";
+      form.elements.tags.value = d.run.tags.join(", ");
+      form.elements.notes.value = d.run.notes || "";
+      form.dataset.filled = "1";
+    }
+  }
+
+  document.getElementById("manage").addEventListener("submit", async (ev) => {
+    ev.preventDefault();
+    const f = ev.target.elements;
+    const note = document.getElementById("manage-status");
+    try {
+      d.run = Object.assign(d.run, await R.write(base, "PATCH", {name: f.name.value.trim() || null,
+        tags: f.tags.value.split(",").map((t) => t.trim()).filter(Boolean), notes: f.notes.value}));
+      note.textContent = "saved";
+      render();
+    } catch (err) { note.textContent = "not saved: " + err.message; }
+  });
+  document.getElementById("delete-run").addEventListener("click", async () => {
+    if (!confirm(`Delete run ${runId} and every row of it?`)) return;
+    try {
+      await R.write(base, "DELETE");
+      location.href = "/";
+    } catch (err) { document.getElementById("manage-status").textContent = "not deleted: " + err.message; }
+  });
 
   function renderLoss(t0) {
     const loss = bufs.loss.get("all");
@@ -211,11 +288,12 @@
   function renderRecoveries() {
     const body = document.querySelector("#recoveries tbody");
     if (!d.recoveries.length) {
-      body.replaceChildren(R.el("tr", {}, R.el("td", {colspan: 10, class: "muted"},
+      body.replaceChildren(R.el("tr", {}, R.el("td", {colspan: 11, class: "muted"},
         "No failures or host changes recorded.")));
     } else {
       body.replaceChildren(...d.recoveries.map((r) => R.el("tr", {class: "recovery " + r.kind},
         R.el("td", {class: "kind " + r.kind}, r.kind), R.el("td", {}, r.host),
+        R.el("td", {}, r.fault ? r.fault + " (injected)" : "–"),
         R.el("td", {class: "num"}, r.step),
         R.el("td", {class: "num"}, (r.wall_time - d.run.started_at).toFixed(1)),
         ...["detected_s", "reset_done_s", "state_synced_s", "first_step_done_s"].map(
@@ -225,6 +303,7 @@
     }
     const counts = new Map();
     for (const e of C.dedupe(d.events)) counts.set(e.kind, (counts.get(e.kind) || 0) + 1);
+    // counts are per kind; labels come from the server's table
     document.getElementById("event-counts").replaceChildren(R.el("span", {class: "muted"}, "Events:"),
       ...(counts.size ? [...counts].map(([k, n]) => R.el("span", {},
         R.el("span", {class: "kind " + k}, k), " ×" + n)) : [R.el("span", {class: "muted"}, "none")]));

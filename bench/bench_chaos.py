@@ -1,0 +1,190 @@
+"""Chaos: minutes of faults from outside the training processes, at random instants, for
+Regatta and for a stock Horovod elastic loop alike, on simulated hosts in namespaces.
+
+    .venv/bin/python bench/bench_chaos.py [--minutes 3] [--every 20] [--hosts 4] [--seed 0]
+
+Faults, one every EVERY seconds on average, of these kinds in turn (random order): a
+SIGKILL of a training process (any rank), of rank 0's, two kills 50-300 ms apart, a kill
+0.3-0.8 s after another (during its recovery), a host vanishing (link down for good).
+Every host lost is replaced by a new one (added back) a few seconds later. Prints per
+fault kind the time from the fault to the first step done in the new world (p50, p95,
+max), steps redone, samples skipped or repeated (Regatta's workers record the ids they
+consume; the stock loop samples at random, so it has none to check), final accuracy, and
+goodput: useful steps per second over the run divided by the same engine's fault-free
+steps per second (measured first, in the same conditions).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from elastic.launch.loopback import host_name   # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+REGATTA = [sys.executable, "-m", "regatta", "local"]
+ENGINES = {"regatta": ["bench/chaos_worker.py"],
+           "stock": ["digits", "--module", "bench.stock_elastic", "--stock-recovery",
+                     "--cold-workers"]}
+KINDS = ("kill", "kill_rank0", "double", "during_recovery", "vanish")
+ADD_BACK_S = 4.0
+
+
+def launch(engine: str, args: list[str], run_dir: Path, timeout: float) -> dict:
+    report = run_dir.with_suffix(".json")
+    command = REGATTA + ENGINES[engine] + args + [
+        "--commit-every", "10", "--run-dir", str(run_dir), "--report", str(report),
+        "--timeout", str(timeout)]
+    subprocess.run(command, cwd=ROOT, capture_output=True, timeout=timeout + 120)
+    return json.loads(report.read_text())
+
+
+def final_step(report: dict) -> int:
+    """The step training ended at (the stock loop writes no result file: its events)."""
+    return report["final_step"] or max([e["step"] or 0 for e in report["events"]
+                                        if e["kind"] == "finish"], default=0)
+
+
+def pace(report: dict) -> tuple[float, float]:
+    """(useful steps, seconds) from the first step done to the end of training."""
+    times = [e["wall_time"] for e in report["events"] if e["kind"] in ("resumed", "finish")]
+    return float(final_step(report)), max(times) - min(times) if times else float("nan")
+
+
+def plan(minutes: float, every: float, steps_per_s: float, hosts: int,
+         rng: random.Random) -> tuple[list[str], list[str], int]:
+    """The regatta-local options of one chaos run, the kind of each struck fault in order,
+    and the number of steps."""
+    alive, next_host, args, struck = [host_name(i) for i in range(hosts)], hosts, [], []
+    kinds = [KINDS[i % len(KINDS)] for i in range(int(minutes * 60 / every))]
+    rng.shuffle(kinds)
+    for n, kind in enumerate(kinds):
+        step = int(((n + 1) * every + rng.uniform(-every / 4, every / 4)) * steps_per_s)
+        pool = alive[1:] if kind != "kill_rank0" else alive[:1]
+        victims = rng.sample(pool, 2 if kind in ("double", "during_recovery") else 1)
+        gap = rng.uniform(0.05, 0.3) if kind == "double" else rng.uniform(0.3, 0.8)
+        for i, victim in enumerate(victims):
+            option = "--vanish" if kind == "vanish" else "--sigkill"
+            args += [option, f"{victim}@{step}" + (f"+{gap:.3f}" if i else "")]
+            struck.append(kind)
+            alive.remove(victim)
+        for _ in victims:      # a new host takes each lost one's place
+            args += ["--add", f"{host_name(next_host)}@{step + int(ADD_BACK_S * steps_per_s)}"]
+            alive.append(host_name(next_host))
+            next_host += 1
+    steps = int((minutes * 60 + every) * steps_per_s)
+    return ["--hosts", str(hosts), "--steps", str(steps), *args], struck, steps
+
+
+def recoveries(report: dict, struck: list[str]) -> dict[str, list[tuple[float, int]]]:
+    """Per fault kind: (seconds from the fault to the first step done after it, steps
+    redone). A pair of kills counts once, from the first."""
+    faults = [e for e in report["events"] if e["kind"] == "fault_injected"
+              and e["fault"] in ("kill", "vanish")]
+    resumed = [e for e in report["events"] if e["kind"] == "resumed"]
+    found, i = defaultdict(list), 0
+    while i < len(faults) and i < len(struck):
+        kind, start = struck[i], faults[i]
+        last = faults[i + 1] if kind in ("double", "during_recovery") and i + 1 < len(faults) else start
+        after = [e for e in resumed if e["wall_time"] > last["wall_time"]]
+        seconds = after[0]["wall_time"] - start["wall_time"] if after else float("inf")
+        redone = max(0, start["step"] - after[0]["step"] + 1) if after else 0
+        found[kind].append((seconds, redone))
+        i += 2 if last is not start else 1
+    return found
+
+
+def sample_errors(run_dir: Path) -> tuple[int, int] | None:
+    """(skipped, repeated) sample ids over every epoch the run finished, counting for each
+    step only its last execution, every rank of one world (a step redone after a restore
+    replaces the first)."""
+    records = [json.loads(line) for path in (run_dir / "ids").glob("ids-*.jsonl")
+               for line in path.read_text().splitlines() if line.strip()]
+    if not records:
+        return None
+    dataset = int((run_dir / "ids" / "dataset_size").read_text())
+    by_step = defaultdict(list)
+    for r in records:
+        by_step[r["step"]].append(r)
+    taken = {}
+    for step, found in by_step.items():   # latest first, until one whole world's worth
+        ranks, ids, size = set(), [], None
+        for r in sorted(found, key=lambda r: -r["t"]):
+            if r["rank"] not in ranks and size in (None, r["size"]):
+                size = r["size"]
+                ranks.add(r["rank"])
+                ids += r["ids"]
+            if len(ranks) == size:
+                break
+        taken[step] = ids
+    order = [i for step in sorted(taken) for i in sorted(taken[step])]
+    skipped = repeated = 0
+    for epoch in range(len(order) // dataset):
+        seen = order[epoch * dataset:(epoch + 1) * dataset]
+        repeated += len(seen) - len(set(seen))
+        skipped += dataset - len(set(seen))
+    return skipped, repeated
+
+
+def spread(values: list[float]) -> str:
+    if not values:
+        return "-"
+    ordered = sorted(values)
+    p95 = ordered[min(len(ordered) - 1, int(round(0.95 * (len(ordered) - 1))))]
+    return f"{statistics.median(ordered):6.2f} {p95:6.2f} {max(ordered):6.2f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=3.0)
+    parser.add_argument("--every", type=float, default=20.0, help="seconds between faults, on average")
+    parser.add_argument("--hosts", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engines", default="regatta,stock")
+    args = parser.parse_args()
+    print(f"load average before: {open('/proc/loadavg').read().strip()}", flush=True)
+    engines = args.engines.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        quiet = {e: launch(e, ["--hosts", str(args.hosts), "--steps", "600"], work / f"calm-{e}", 900)
+                 for e in engines}
+        rates = {e: (lambda s, t: s / t)(*pace(r)) for e, r in quiet.items()}
+        for engine in engines:
+            print(f"{engine}: fault-free {rates[engine]:.1f} steps/s", flush=True)
+        results = {}
+        for engine in engines:   # the same fault plan for both, in steps of each one's pace
+            options, struck, steps = plan(args.minutes, args.every, rates[engine], args.hosts,
+                                          random.Random(args.seed))
+            report = launch(engine, options + ["--seed", str(args.seed)], work / f"chaos-{engine}",
+                            args.minutes * 60 * 6 + 300)
+            results[engine] = (report, struck, steps, work / f"chaos-{engine}")
+        print(f"\nload average after: {open('/proc/loadavg').read().strip()}")
+        print(f"one fault every {args.every:.0f} s on average, {args.minutes:.1f} min, "
+              f"{args.hosts} hosts (each lost host replaced)\n")
+        print(f"{'engine':8s} {'fault kind':16s} {'n':>3s} {'recovery s: p50    p95    max':>30s} "
+              f"{'steps redone':>13s}")
+        for engine, (report, struck, steps, run_dir) in results.items():
+            for kind, found in sorted(recoveries(report, struck).items()):
+                seconds = [s for s, _ in found]
+                print(f"{engine:8s} {kind:16s} {len(found):3d} {spread(seconds):>30s} "
+                      f"{sum(r for _, r in found):13d}")
+        print()
+        for engine, (report, struck, steps, run_dir) in results.items():
+            useful, seconds = pace(report)
+            errors = sample_errors(run_dir)
+            print(f"{engine:8s} exit {report['exit_code']}, step {final_step(report)} of {steps}, "
+                  f"accuracy {report['metrics'].get('accuracy', float('nan')):.3f}, "
+                  f"goodput {useful / seconds / rates[engine]:.3f}, samples skipped/repeated: "
+                  f"{'n/a (random sampling)' if errors is None else '%d/%d' % errors}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""Steady-state training speed, Regatta vs a stock Horovod DistributedOptimizer loop vs
+torch DDP (Gloo), side by side in one run, 2 ranks.
+
+    .venv/bin/python bench/bench_throughput.py            # a few minutes
+    .venv/bin/python bench/bench_throughput.py --quick    # fewer, shorter turns
+
+Models: charlm (jobs/charlm.py, compute-heavy: 1.4 MB of gradients) and a ~26M-parameter
+MLP (bench/mlp.py, communication-heavy: 105 MB of gradients a step). Per model, the three
+arms are started once, each warmed up alone, then take turns: only one arm runs at a
+time (the others are stopped with SIGSTOP, so they use no CPU), for ``--turn`` seconds,
+in an order that rotates every round. Load that comes and goes on the machine hits every
+arm alike, and no arm pays another's start-up.
+
+* regatta: ``regatta local`` (horovodrun elastic, 2 simulated hosts), the job through
+  ``elastic.train.train`` with its default reduction (bench/throughput_worker.py);
+* stock: the same launcher, Horovod's documented elastic loop with DistributedOptimizer;
+* ddp: ``torchrun``, DistributedDataParallel over Gloo.
+
+Same job, data split, optimizer, global batch and threads per rank everywhere; Regatta
+commits only at its start (as the stock loop's TorchState does). An arm's rate in a turn
+is its rank 0's steps that ended inside the turn, over the time between the first and the
+last of them (a step cut by a stop is not counted). Prints steps/s and samples/s (median,
+min, max over the rounds), the ratios per round (median and range), Regatta's overlap and
+exposed communication, the bus bandwidth a plain allreduce of the gradients reaches over
+each transport against the memory-copy bound, the peak RSS per rank (VmHWM), and
+/proc/loadavg. As root it runs in a private network namespace (``unshare --net``), so
+another ``regatta local`` on the machine adding or removing loopback aliases cannot break
+its simulated hosts (``--shared-network``: not).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+BIN = Path(sys.executable).parent
+ARMS = ("regatta", "stock", "ddp")
+MODELS = ("charlm", "mlp")
+RANKS = 2
+FOREVER = 1_000_000              # steps: the bench stops the arms itself
+ISOLATED = "REGATTA_BENCH_ISOLATED"
+
+
+def options(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="charlm,mlp", help="comma-separated: charlm, mlp")
+    parser.add_argument("--rounds", type=int, default=5, help="turns per arm")
+    parser.add_argument("--turn", type=float, default=8.0, help="seconds per turn")
+    parser.add_argument("--warmup", type=int, default=5, help="steps each arm runs alone first")
+    parser.add_argument("--quick", action="store_true", help="3 rounds of 4 s turns")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="config override for every arm, e.g. train.global_batch=64")
+    parser.add_argument("--shared-network", action="store_true",
+                        help="stay in this network namespace (default as root: a private one)")
+    opts = parser.parse_args(argv)
+    opts.models = [m for m in opts.models.split(",") if m]
+    unknown = sorted(set(opts.models) - set(MODELS))
+    if unknown:
+        parser.error(f"unknown model {unknown[0]!r}; known: {', '.join(MODELS)}")
+    if opts.quick:
+        opts.rounds, opts.turn = 3, 4.0
+    return opts
+
+
+# -- the arms' processes -------------------------------------------------------------------
+def start(arm: str, model: str, run_dir: Path, overrides: list[str]) -> subprocess.Popen:
+    job_args = ["--arm", arm, "--model", model, "--db", str(run_dir / "m.db"),
+                *[f"--set={pair}" for pair in overrides]]
+    if arm == "ddp":
+        command = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(RANKS), "-m",
+                   "bench.throughput_worker", "--run-dir", str(run_dir), "--steps", str(FOREVER),
+                   "--no-progress", *job_args]
+    else:   # a long Gloo timeout: a stopped arm may be stopped inside a collective
+        # Loopback aliases, not namespaced hosts: the ranks' pids (which the turns stop and
+        # continue) are then this process's, and Gloo runs on lo like the other arms.
+        command = [str(BIN / "regatta"), "local", model, "--module", "bench.throughput_worker",
+                   "--aliases", "--hosts", str(RANKS), "--steps", str(FOREVER), "--commit-every", str(FOREVER),
+                   "--gloo-timeout", "3600", "--timeout", "36000", "--run-dir", str(run_dir),
+                   "--", *job_args]
+    # Gloo on loopback, as horovodrun's --network-interface lo (all ranks are local)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = open(run_dir / "launcher.log", "w")
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def read_log(run_dir: Path, arm: str, rank: int) -> tuple[dict, list[dict]]:
+    path = run_dir / "throughput" / f"{arm}-{rank}.jsonl"
+    if not path.exists():
+        return {}, []
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+    return (lines[0], lines[1:]) if lines else ({}, [])
+
+
+def warm_up(arm: str, proc: subprocess.Popen, run_dir: Path, steps: int) -> list[int]:
+    """Wait for every rank's first ``steps`` steps; the ranks' pids."""
+    deadline = time.monotonic() + 600
+    while True:
+        logs = [read_log(run_dir, arm, rank) for rank in range(RANKS)]
+        if all(len(steps_) >= steps for _, steps_ in logs):
+            return [header["pid"] for header, _ in logs]
+        if proc.poll() is not None or time.monotonic() > deadline:
+            tail = (run_dir / "launcher.log").read_text()[-3000:]
+            hvd = run_dir / "horovodrun.log"
+            raise SystemExit(f"{arm} did not warm up ({proc.poll()}):\n{tail}"
+                             f"{hvd.read_text()[-3000:] if hvd.exists() else ''}")
+        time.sleep(0.2)
+
+
+def signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def peak_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+
+
+def stop_arm(proc: subprocess.Popen, pids: list[int]) -> None:
+    signal_all(pids, signal.SIGCONT)
+    signal_all(pids, signal.SIGKILL)
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)   # regatta local stops horovodrun and its agents
+        proc.wait(20)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+# -- one model -------------------------------------------------------------------------------
+def measure(model: str, opts, workdir: Path) -> dict:
+    """Start, warm up and stop each arm, then give them turns; what each did in each turn."""
+    arms: dict[str, tuple] = {}
+    try:
+        for arm in ARMS:
+            run_dir = workdir / f"{model}-{arm}"
+            proc = start(arm, model, run_dir, opts.set)
+            pids = warm_up(arm, proc, run_dir, opts.warmup)
+            signal_all(pids, signal.SIGSTOP)
+            arms[arm] = (proc, pids, run_dir)
+            print(f"{model}: {arm} warmed up", flush=True)
+        turns = {arm: [] for arm in ARMS}
+        for round_ in range(opts.rounds):
+            order = ARMS[round_ % len(ARMS):] + ARMS[:round_ % len(ARMS)]
+            for arm in order:
+                _, pids, _ = arms[arm]
+                signal_all(pids, signal.SIGCONT)
+                began = time.time()
+                time.sleep(opts.turn)
+                signal_all(pids, signal.SIGSTOP)
+                turns[arm].append((began, time.time(), loadavg()))
+            print(f"{model}: round {round_ + 1} of {opts.rounds}, load {loadavg()}", flush=True)
+        rss = {arm: [peak_rss(pid) for pid in pids] for arm, (_, pids, _) in arms.items()}
+    finally:
+        for proc, pids, _ in arms.values():
+            stop_arm(proc, pids)
+    logs = {arm: read_log(run_dir, arm, 0) for arm, (_, _, run_dir) in arms.items()}
+    return {"turns": turns, "rss": rss, "logs": logs}
+
+
+def turn_rate(steps: list[dict], began: float, ended: float) -> float | None:
+    ends = [s["t"] for s in steps if began <= s["t"] <= ended]
+    return (len(ends) - 1) / (ends[-1] - ends[0]) if len(ends) >= 2 and ends[-1] > ends[0] else None
+
+
+def spread(values: list[float], fmt: str = "{:.3f}") -> str:
+    return (f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}-"
+            f"{fmt.format(max(values))}]")
+
+
+def report(model: str, result: dict, memcpy: float) -> None:
+    turns, logs = result["turns"], result["logs"]
+    rates = {arm: [turn_rate(logs[arm][1], b, e) for b, e, _ in turns[arm]] for arm in ARMS}
+    header = logs["stock"][0]
+    batch, nbytes = header["global_batch"], header["grad_bytes"]
+    print(f"\n== {model}: {nbytes / 2**20:.1f} MiB of gradients, global batch {batch}, {RANKS} ranks, "
+          f"{len(turns['regatta'])} turns of each arm")
+    print(f"{'arm':8} {'steps/s median [min-max]':>26} {'samples/s':>10} {'peak RSS/rank MiB':>18}")
+    for arm in ARMS:
+        good = [r for r in rates[arm] if r is not None]
+        print(f"{arm:8} {spread(good):>26} {statistics.median(good) * batch:10.1f} "
+              f"{max(result['rss'][arm]) / 2**20:18.0f}")
+    for other in ("stock", "ddp"):
+        ratios = [a / b for a, b in zip(rates["regatta"], rates[other]) if a and b]
+        print(f"regatta / {other:5}: {spread(ratios)} per round")
+    rows = [s for b, e, _ in turns["regatta"] for s in logs["regatta"][1] if b <= s["t"] <= e]
+    overlap = [s["overlap"] for s in rows if s.get("overlap") is not None]
+    exposed = [s["comm_time"] / s["step_time"] for s in rows if s.get("step_time")]
+    print(f"regatta: overlap (share of communication hidden behind backward) median "
+          f"{statistics.median(overlap) if overlap else 0:.2f}; exposed communication / step "
+          f"time median {statistics.median(exposed):.3f}")
+    for arm, name in (("stock", "Horovod (Gloo)"), ("ddp", "torch.distributed Gloo")):
+        seconds = logs[arm][0]["allreduce_s"]
+        bus = nbytes * 2 * (RANKS - 1) / RANKS / seconds
+        print(f"allreduce of the gradients alone, {name:22}: {seconds * 1e3:7.1f} ms, bus bandwidth "
+              f"{bus / 1e9:5.2f} GB/s = {bus / memcpy:.2f} x memcpy ({memcpy / 1e9:.1f} GB/s)")
+    loads = [load for arm in ARMS for _, _, load in turns[arm]]
+    print(f"loadavg (1 min) during the turns: {min(loads):.2f}-{max(loads):.2f}")
+
+
+def loadavg() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+def isolate(argv: list[str]) -> None:
+    """Run this bench again in a private network namespace with its loopback up."""
+    command = " ".join(["ip link set lo up && exec", *map(shlex.quote, [sys.executable, __file__, *argv])])
+    env = {**os.environ, ISOLATED: "1"}
+    raise SystemExit(subprocess.run(["unshare", "--net", "--fork", "sh", "-c", command], env=env).returncode)
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    opts = options(argv)
+    if (not opts.shared_network and os.geteuid() == 0 and shutil.which("unshare")
+            and not os.environ.get(ISOLATED)):
+        isolate(argv)
+    from elastic.runtime.reporting import memcpy_bandwidth
+    print(f"loadavg at start: {Path('/proc/loadavg').read_text().strip()}; network namespace: "
+          f"{'private' if os.environ.get(ISOLATED) else 'shared'}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-throughput-") as tmp:
+        results = {model: measure(model, opts, Path(tmp)) for model in opts.models}
+    memcpy = memcpy_bandwidth()
+    for model in opts.models:
+        report(model, results[model], memcpy)
+    print(f"\nloadavg at end: {Path('/proc/loadavg').read_text().strip()}")
+
+
+if __name__ == "__main__":
+    main()

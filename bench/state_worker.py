@@ -1,0 +1,234 @@
+"""One rank of bench_state: measures the elastic state operations of one flavour on a
+model of a given size, and writes what it measured as JSON (rank 0 also the step times).
+
+    horovodrun --gloo -np 3 -H localhost:3 python -m bench.state_worker \
+        --flavour regatta --params 10000000 --out /tmp/state-regatta.json
+
+* stock: Horovod's ``hvd.elastic.TorchState`` over a ``DistributedOptimizer`` (Adam),
+  committed with ``state.save()``; after a failure Horovod runs ``restore()`` then, after
+  the reset, ``sync()``; a durable checkpoint is rank 0's ``torch.save`` in the loop.
+* regatta: the data-parallel engine inside Regatta's runtime (its own step, sharded
+  commits, background checkpoints); a restore is ``restore_committed()`` then the sync.
+
+A new worker's sync is simulated in a fixed world: one rank (the last) restores while the
+others' live state is the commit, so the whole state travels as it would to a newcomer.
+Memory is RSS after ``malloc_trim`` (so freed pages are not counted), on every rank,
+before and after the first commit (stock: ``TorchState(...)``, which saves; regatta: the
+first sync, which places the shares and commits), both after two steps so that Adam's
+moments exist. Step times are rank 0's; a step "overlaps" a checkpoint when a background
+write was in flight when it started or ended.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import horovod.torch as hvd
+import psutil
+import torch
+from torch import nn
+
+LIBC = ctypes.CDLL("libc.so.6")
+GLOBAL_BATCH = 24        # samples per step over all ranks (dp = 2 and 3 both divide it)
+WIDTH = {10_000_000: 1000, 100_000_000: 3160}
+
+
+def rss() -> int:
+    LIBC.malloc_trim(0)
+    return psutil.Process().memory_info().rss
+
+
+class MlpJob:
+    """An MLP of ``layers`` square layers, about ``params`` parameters, regressing noise."""
+    name = "bench_state"
+
+    def __init__(self, params: int, layers: int = 10, samples: int = 240):
+        self.width = WIDTH.get(params) or int((params / layers) ** 0.5)
+        self.layers = layers
+        generator = torch.Generator().manual_seed(0)
+        self.data = (torch.randn(samples, self.width, generator=generator),
+                     torch.randn(samples, self.width, generator=generator))
+
+    def build_model(self) -> nn.Module:
+        return nn.Sequential(*[nn.Linear(self.width, self.width) for _ in range(self.layers)])
+
+    def train_data(self):
+        return self.data
+
+    def loss_sum(self, model, batch):
+        x, y = batch
+        return nn.functional.mse_loss(model(x), y, reduction="sum"), len(x)
+
+    def evaluate(self, model) -> dict:
+        return {}
+
+
+def timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+class Stock:
+    def __init__(self, job: MlpJob, folder: Path):
+        torch.manual_seed(0)
+        self.model = job.build_model()
+        self.optimizer = hvd.DistributedOptimizer(torch.optim.Adam(self.model.parameters(), lr=1e-4),
+                                                  named_parameters=self.model.named_parameters())
+        self.job, self.path, self.step_count = job, folder / "stock.pt", 0
+        self.state = None
+
+    def step(self) -> None:
+        x, y = self.job.data
+        share = GLOBAL_BATCH // hvd.size()
+        start = (self.step_count * GLOBAL_BATCH + hvd.rank() * share) % (len(x) - share)
+        self.optimizer.zero_grad()
+        loss, _ = self.job.loss_sum(self.model, (x[start:start + share], y[start:start + share]))
+        loss.backward()
+        self.optimizer.step()
+        self.step_count += 1
+
+    def first_commit(self) -> None:
+        self.state = hvd.elastic.TorchState(model=self.model, optimizer=self.optimizer, step=0)
+
+    def commit(self) -> None:
+        self.state.save()
+
+    def restore(self, me: bool) -> None:
+        if me:
+            self.state.restore()
+        self.state.sync()
+
+    def checkpoint(self) -> None:
+        if hvd.rank() == 0:
+            with open(self.path, "wb") as handle:
+                torch.save({"model": self.model.state_dict(),
+                            "optimizer": self.optimizer.state_dict()}, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+
+    def writing(self) -> bool:
+        return False
+
+    def written(self) -> dict:
+        return {}
+
+    def wait(self) -> None:
+        pass
+
+
+class Regatta:
+    def __init__(self, job: MlpJob, folder: Path):
+        from elastic.config import TrainConfig
+        from elastic.dataparallel.engine import DataParallelEngine
+        from elastic.runtime.control import Pending
+        from elastic.runtime.env import Env
+        from elastic.runtime.worker import Runtime
+        from elastic.training import from_job
+        cfg = TrainConfig(steps=10 ** 6, global_batch=GLOBAL_BATCH, lr=1e-4,
+                          run_dir=str(folder / "run"), db=str(folder / "m.db"), progress=False)
+        self.runtime = Runtime(Env.read(), cfg, job.name, {})
+        self.engine = DataParallelEngine(from_job(job), cfg)
+        self.runtime.init(self.engine)
+        self.state = self.runtime.state = self.engine.build(self.runtime)
+        self.engine.enter(self.state)
+        self.pending = Pending()
+
+    @property
+    def model(self):
+        return self.state.model
+
+    def step(self) -> None:
+        self.engine.step(self.state, self.pending)
+
+    def first_commit(self) -> None:
+        self.state.sync()
+
+    def commit(self) -> None:
+        self.state.save()
+
+    def restore(self, me: bool) -> None:
+        if me:
+            self.state.restore_committed()
+        self.state.sync_state()
+        self.engine.enter(self.state)      # the loader restarts from the restored cursor
+
+    def checkpoint(self) -> None:
+        self.runtime.checkpoint(self.state)
+
+    def writing(self) -> bool:
+        return self.runtime.writing is not None and not self.runtime.writing.done()
+
+    def written(self) -> dict:
+        return self.runtime.writing.result() if self.runtime.writing is not None else {}
+
+    def wait(self) -> None:
+        if self.runtime.writing is not None:
+            self.runtime.writing.result()
+
+
+def measure(flavour, repeats: int, steps: int) -> dict:
+    out = {"rank": hvd.rank(), "size": hvd.size()}
+    for _ in range(2):
+        flavour.step()       # Adam's moments exist from here on
+    for param in flavour.model.parameters():
+        param.grad = None    # as a restore leaves them: not counted for either flavour
+    before = rss()
+    flavour.first_commit()
+    out["commit_rss"] = rss() - before
+    out["commit_s"], out["restore_s"], out["sync_new_s"] = [], [], []
+    for _ in range(repeats):
+        flavour.step()
+        hvd.allreduce(torch.zeros(1), name="bench.barrier")
+        out["commit_s"].append(timed(flavour.commit))
+        flavour.step()
+        out["restore_s"].append(timed(lambda: flavour.restore(True)))
+        out["sync_new_s"].append(timed(lambda: flavour.restore(hvd.rank() == hvd.size() - 1)))
+    out["step_s"], out["overlaps"], out["checkpoint_s"], out["write_s"] = [], [], [], []
+    for _ in range(repeats):
+        for index in range(steps):
+            if index == steps // 3:
+                out["checkpoint_s"].append(timed(flavour.checkpoint))
+                continue
+            busy, started = flavour.writing(), time.perf_counter()
+            flavour.step()
+            out["step_s"].append(time.perf_counter() - started)
+            out["overlaps"].append(busy or flavour.writing())
+        flavour.wait()     # the next round starts with no write in flight
+        hvd.allreduce(torch.zeros(1), name="bench.barrier")
+        out["write_s"].append(flavour.written().get("write_s", out["checkpoint_s"][-1]))
+    out["peak_rss"] = psutil.Process().memory_info().rss
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--flavour", choices=["stock", "regatta"], required=True)
+    parser.add_argument("--params", type=int, required=True)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=12, help="steps per checkpoint round")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    hvd.init()
+    torch.set_num_threads(1)
+    job = MlpJob(args.params)
+    with tempfile.TemporaryDirectory(prefix="bench-state-") as folder:
+        flavour = (Stock if args.flavour == "stock" else Regatta)(job, Path(folder))
+        out = measure(flavour, args.repeats, args.steps)
+        out["params"] = sum(p.numel() for p in flavour.model.parameters())
+        if args.flavour == "regatta":
+            flavour.runtime.close()
+    everyone = hvd.allgather_object(out, name="bench.results")
+    if hvd.rank() == 0:
+        Path(args.out).write_text(json.dumps(everyone))
+    print(f"rank {hvd.rank()}: commit p50 {statistics.median(out['commit_s']):.3f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

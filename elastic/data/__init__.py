@@ -1,0 +1,1 @@
+"""Which samples each rank trains on (sampler.py)."""

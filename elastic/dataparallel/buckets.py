@@ -1,0 +1,158 @@
+"""Gradient buckets: consecutive parameters, in the order backward produces their
+gradients, that travel as one collective (Horovod's tensor fusion, torch DDP's buckets).
+
+A bucket's gradients go on the wire as they are: the bucket is one grouped allreduce of
+its parameters' ``.grad`` tensors, summed in place, which Horovod fuses into one transfer
+on its own thread. Nothing is copied on the training thread and no bucket memory is
+held. The division by the global count happens there too (Horovod's postscale), by the
+count the reducer expects; in the rare step whose count differs, ``read_back`` corrects
+it. With compression a bucket owns a wire buffer in the narrow dtype instead: each
+gradient is cast into it when complete, and cast back and divided afterwards.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+# Wire dtypes a compression setting puts floating gradients on (Horovod's Compression.fp16).
+# bfloat16 is not offered: Horovod 0.28.1 has no bfloat16 allreduce.
+COMPRESSIONS = {"none": None, "fp16": torch.float16}
+# Horovod 0.28 cannot sum bfloat16 at all: bfloat16 gradients travel as float32 (and come
+# back exact to bfloat16 rounding of the float32 sum).
+WIDENED = {torch.bfloat16: torch.float32}
+EDGE_BYTES = 1 << 20
+
+
+def plan_buckets(params: list[torch.Tensor], bucket_bytes: int, edge_bytes: int = EDGE_BYTES) -> list[list[int]]:
+    """Indices of ``params`` grouped into buckets, in backward order (last parameter
+    first, as autograd usually produces them). A bucket holds one dtype on one device and
+    closes once it reaches ``bucket_bytes``; 0 puts every parameter in its own. The first
+    and the last bucket stay near ``edge_bytes`` (as DDP's first bucket): the first, so
+    that communication starts early in backward; the last, because it leaves only when
+    backward is over. The plan depends only on the model, so every rank makes the same."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size, kind = 0, None
+    for index in reversed(range(len(params))):
+        param = params[index]
+        this = (param.dtype, param.device)
+        limit = min(bucket_bytes, edge_bytes) if not buckets else bucket_bytes
+        if current and (this != kind or size >= limit):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(index)
+        size += param.numel() * param.element_size()
+        kind = this
+    if current:
+        buckets.append(current)
+    nbytes = lambda members: sum(params[i].numel() * params[i].element_size() for i in members)  # noqa: E731
+    last = buckets[-1] if buckets else []
+    if nbytes(last) > edge_bytes:                  # split off its final parameters
+        tail = []
+        while len(last) > 1 and nbytes(tail) < edge_bytes:
+            tail.insert(0, last.pop())
+        buckets.append(tail)
+    return buckets
+
+
+def wire_dtype(grad_dtype: torch.dtype, compression: str) -> torch.dtype:
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)}, got {compression!r}")
+    if grad_dtype in WIDENED:
+        return WIDENED[grad_dtype]
+    wire = COMPRESSIONS[compression]
+    return wire if wire is not None and grad_dtype in (torch.float32, torch.float64) else grad_dtype
+
+
+class Bucket:
+    """The gradients of ``params`` (in plan order), sent together; ``extra`` is a tensor
+    that rides along in the same collective (the step's agreement vector)."""
+
+    def __init__(self, index: int, params: list[torch.Tensor], dtype: torch.dtype,
+                 extra: torch.Tensor | None = None):
+        self.index, self.params, self.extra = index, params, extra
+        self.name = f"regatta.grad.{index}"
+        self.offsets, total = [], 0
+        for param in params:
+            self.offsets.append(total)
+            total += param.numel()
+        self.wire = None if dtype == params[0].dtype else \
+            torch.zeros(total, dtype=dtype, device=params[0].device)
+        self.nbytes = total * (self.wire if self.wire is not None else params[0]).element_size() + \
+            (extra.numel() * extra.element_size() if extra is not None else 0)
+        self.filled: set[int] = set()      # positions whose gradient is complete
+        self.scale = 1.0                    # wire buffer values are gradients times this
+        self.reset()
+
+    def reset(self) -> None:
+        self.filled.clear()
+        self.request = self.launched_at = self.done_at = None
+        self.divided_by: int | None = None  # the count the collective already divided by
+        self.summed = False                 # waited on, and it succeeded
+
+    def _wire_slot(self, position: int) -> torch.Tensor:
+        param = self.params[position]
+        start = self.offsets[position]
+        return self.wire[start:start + param.numel()].view_as(param)
+
+    def put(self, position: int) -> None:
+        """The gradient of ``params[position]`` is complete (or will get none: zero)."""
+        param = self.params[position]
+        if self.wire is not None:
+            slot = self._wire_slot(position)
+            if param.grad is None:
+                slot.zero_()
+            else:
+                torch.mul(param.grad, self.scale, out=slot)
+        elif param.grad is None:
+            param.grad = torch.zeros_like(param)
+        elif not param.grad.is_contiguous():   # collectives take contiguous memory
+            param.grad = param.grad.contiguous()
+        self.filled.add(position)
+
+    def complete(self) -> bool:
+        return len(self.filled) == len(self.params)
+
+    def fill_rest(self) -> None:
+        """Gradients no hook delivered (parameters unused in the last microstep, or no
+        backward at all on a rank without samples): what ``.grad`` holds, else zero."""
+        for position in range(len(self.params)):
+            if position not in self.filled:
+                self.put(position)
+
+    def launch(self, collectives, expected_count: int | None = None) -> None:
+        """Start the sum; divided by ``expected_count`` on the way (not the wire buffer's
+        narrow values, nor a bucket carrying ``extra``)."""
+        tensors = [self.wire] if self.wire is not None else [p.grad for p in self.params]
+        if self.extra is not None:
+            tensors.append(self.extra)
+        if self.wire is not None or self.extra is not None:
+            expected_count = None
+        self.divided_by = expected_count
+        self.launched_at = time.perf_counter()
+        self.request = collectives.allreduce_sum_async(
+            tensors, self.name, scale=1.0 / expected_count if expected_count else 1.0)
+
+    def poll(self) -> None:
+        if self.request is not None and self.done_at is None and self.request.done():
+            self.done_at = time.perf_counter()
+
+    def read_back(self, divisor: int) -> None:
+        """Leave the reduced sum / ``divisor`` in every parameter's ``.grad``."""
+        if self.wire is None:
+            if self.divided_by == divisor:
+                return
+            for param in self.params:
+                if self.divided_by:
+                    param.grad.mul_(self.divided_by / divisor)
+                else:
+                    param.grad.div_(divisor)
+            return
+        divisor = divisor * self.scale     # the scale is a power of two: exact
+        for position, param in enumerate(self.params):
+            slot = self._wire_slot(position)
+            if param.grad is None:
+                param.grad = slot.to(param.dtype).div_(divisor)
+            else:
+                param.grad.copy_(slot).div_(divisor)

@@ -1,0 +1,113 @@
+"""The data-parallel engine: what the runtime needs that is particular to it.
+
+    build     the model on this rank's device, its optimizer, scheduler, GradScaler and
+              tracked objects in one TrainState (rank 0 resumes from disk when asked)
+    enter     on every (re)entry: this world's reducer and data loader, from the cursor
+    step      one optimizer step (step.py)
+    evaluate  the user's evaluation on rank 0 (train.eval_every, and at the end)
+    finish    this rank's parameter hash; on rank 0 the held-out evaluation
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from horovod.common.exceptions import HorovodInternalError
+
+from elastic.config import ConfigError
+from elastic.data.loader import Batches, Plan, dataset_size
+from elastic.runtime.checkpoint import parameter_hash
+from elastic.runtime.device import choose_device
+
+from .reduce import BucketReducer
+from .state import TrainState
+from .step import StepKit, train_step
+
+
+class DataParallelEngine:
+    name = "dataparallel"
+    uses_horovod = True
+    # Every membership change syncs, removals too: the survivors agree on the state, but
+    # the commit's shares must be re-placed over the new world (a small inventory; no
+    # state moves when every survivor's live state is the commit).
+    replans = True
+
+    def __init__(self, training, cfg):
+        self.training, self.cfg = training, cfg
+        self.runtime, self.device, self.kit = None, None, None
+        self._reducer: tuple | None = None    # (the world it was made for, reducer)
+
+    def build(self, runtime) -> TrainState:
+        self.runtime = runtime
+        self.device = choose_device(self.cfg.device or runtime.env.device, runtime.world.local_rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        torch.manual_seed(self.cfg.seed)   # identical initial weights everywhere, before any sync
+        model = self.training.build_model().to(self.device)
+        objects = self.training.build_objects(model, self.cfg)
+        if self.cfg.autocast == "fp16" and "scaler" not in objects:
+            objects["scaler"] = torch.amp.GradScaler(self.device.type)
+        if dataset_size(self.training.data) == 0:
+            raise ConfigError(f"{self.training.name}: the training data is empty")
+        state = TrainState(runtime, objects, self.cfg.checkpoint_path)
+        if self.cfg.resume and runtime.world.is_root:
+            runtime.resumed(state, state.load_checkpoint())
+        return state
+
+    def enter(self, state) -> None:
+        """A new world (or the first): the reducer and the loader start from the cursor."""
+        world, cfg = self.runtime.world, self.cfg
+        if self.kit is not None:
+            self.kit.batches.close()
+        plan = Plan(size=dataset_size(self.training.data), global_batch=cfg.global_batch,
+                    seed=cfg.seed, rank=world.rank, world=world.size, microsteps=cfg.accumulate)
+        batches = Batches(self.training.data, plan, state.cursor, cfg.steps - state.step,
+                          workers=cfg.loader_workers, pin_memory=self.device.type == "cuda",
+                          loader_options=self.training.loader)
+        self.kit = StepKit(self.training, batches, plan, self.reducer(state), self.device)
+
+    def step(self, state, pending):
+        try:
+            return train_step(state, self.kit, pending, self.runtime)
+        except HorovodInternalError as err:
+            # How far the step's gradients had got when the world broke (a restore follows).
+            self.runtime.events.record("reduce_failed", state.step, error=str(err)[:500],
+                                       **self.kit.reducer.progress())
+            raise
+
+    def reducer(self, state) -> BucketReducer:
+        """One per world: rank and size change at every reset. The old one's gradient
+        hooks go with it."""
+        world = self.runtime.world
+        if self._reducer is None or self._reducer[0] != world:
+            if self._reducer is not None:
+                self._reducer[1].close()
+            params = [p for p in state.model.parameters() if p.requires_grad]
+            reducer = BucketReducer(params, world.rank, world.size, self.runtime.collectives,
+                                    bucket_bytes=int(self.cfg.bucket_mb * 2 ** 20),
+                                    compression=self.cfg.compression,
+                                    expected_count=self.cfg.global_batch)
+            self._reducer = (world, reducer)
+        return self._reducer[1]
+
+    def straggler_groups(self, state):
+        return None   # every rank does the same work
+
+    def evaluate(self, state) -> dict:
+        evaluate = self.training.evaluate
+        if evaluate is None:
+            return {}
+        state.model.eval()
+        with torch.no_grad():
+            return {k: float(v) for k, v in evaluate(state.model).items()}
+
+    def finish(self, state) -> tuple[dict, dict]:
+        if self.kit is not None:
+            self.kit.batches.close()
+        world = self.runtime.world
+        mine = {"host": world.host, "slot": world.slot, "rank": world.rank,
+                "world_size": world.size, "step": state.step,
+                "param_hash": parameter_hash(state.model), "wall_time": time.time()}
+        if not world.is_root:
+            return mine, mine
+        return mine, {**mine, "metrics": self.evaluate(state)}

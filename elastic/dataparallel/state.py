@@ -1,0 +1,216 @@
+"""Data-parallel training state under Horovod's elastic contract.
+
+Everything a replica must get back after a failure lives here: the model, the optimizer,
+and any other object with ``state_dict``/``load_state_dict`` (an LR scheduler, a
+GradScaler, the user's own), plus the step and the sampler cursor.
+
+* A commit keeps, in host memory, only this rank's share of that state and its buddy's
+  (snapshot.py; placement in runtime/shards.py): 2/dp of it, no communication.
+* A restore after a failure is local only for the step and cursor: the bytes come back in
+  ``sync_state``, once Horovod has re-formed the world, from whichever survivors hold
+  them. Only when some share has no surviving copy does the durable checkpoint step in
+  (a ``state_lost`` event); with none on disk the job stops with a message saying so.
+* A sync where no one holds a commit (a fresh start) sends rank 0's live state (the seed,
+  or the checkpoint rank 0 resumed from); new workers get the last commit.
+* Rank 0 writes the durable checkpoint in a background thread from a snapshot
+  (runtime/checkpoint.py), so the other ranks do not wait for the disk.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from elastic.data.sampler import Cursor
+from elastic.runtime import checkpoint
+from elastic.runtime.flat import Flat, copy_to_host, tree_digest
+from elastic.runtime.shards import Part, buddies, cover, covering_step, kept_by, shares
+from elastic.runtime.state import RuntimeState
+
+from . import snapshot
+
+FORMAT = "regatta-dataparallel/1"
+
+
+class TrainState(RuntimeState):
+    def __init__(self, runtime, objects: dict, checkpoint_path: Path):
+        """``objects``: name -> anything with ``state_dict``/``load_state_dict``; the
+        model must be under "model" and the optimizer under "optimizer"."""
+        super().__init__(runtime)
+        self.objects = dict(objects)
+        self.step, self.cursor = 0, Cursor()
+        self._checkpoint_path = checkpoint_path
+        self._commit: snapshot.Commit | None = None
+        self._stale = False              # after a failure: live tensors are not at self.step
+        self._placement: tuple | None = None    # (World, buddies) of the last sync
+        self._writer = checkpoint.CheckpointWriter()
+        self._checkpointed_step: int | None = None
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.objects["model"]
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.objects["optimizer"]
+
+    def live(self) -> dict:
+        return {"objects": {name: obj.state_dict() for name, obj in self.objects.items()},
+                "step": self.step, "epoch": self.cursor.epoch, "consumed": self.cursor.consumed}
+
+    def _load(self, tree: dict) -> None:
+        for name, obj in self.objects.items():
+            obj.load_state_dict(tree["objects"][name])
+        self.step, self.cursor = tree["step"], Cursor(tree["epoch"], tree["consumed"])
+        self.optimizer.zero_grad(set_to_none=True)
+        self._stale = False
+
+    @property
+    def _current(self) -> bool:
+        """The live state is bit for bit the last commit (nothing to fetch for it)."""
+        return self._commit is not None and not self._stale and self._commit.step == self.step
+
+    # -- the engine's half of RuntimeState ------------------------------------------------
+    def save(self) -> dict:
+        flat = Flat.of(self.live())
+        ranges = self._my_ranges(flat.total)
+        held = self._commit is not None and list(self._commit.held) == list(dict.fromkeys(ranges))
+        if not (held and self._current and self._commit.total == flat.total):
+            self._commit = snapshot.take(flat, self.step, ranges, self._commit)
+        # else: the live state was just loaded from (or is) this very commit
+        return {"epoch": self.cursor.epoch, "consumed": self.cursor.consumed,
+                "held": [list(r) for r in self._commit.held], "held_bytes": self._commit.held_bytes,
+                "state_bytes": flat.total}
+
+    def _my_ranges(self, total: int) -> list[tuple[int, int]]:
+        world = self.runtime.world
+        pieces = shares(total, world.size)
+        if self._placement is None or self._placement[0] != world:
+            return pieces      # no placement for this world (no sync yet): keep every share
+        return [pieces[r] for r in kept_by(self._placement[1], world.rank)]
+
+    def restore_committed(self) -> None:
+        """The local half of a restore: the last commit's step and cursor. Its bytes are
+        spread over the ranks, so they come back in ``sync_state``, after the reset."""
+        if self._commit is None:
+            return
+        committed = self._commit.skeleton
+        self.step, self.cursor = committed["step"], Cursor(committed["epoch"], committed["consumed"])
+        self.optimizer.zero_grad(set_to_none=True)
+        self._stale = True
+
+    def sync_state(self) -> dict:
+        world = self.runtime.world
+        mine = {"host": world.host, "current": self._current,
+                "commit": None if self._commit is None else self._commit.summary()}
+        inventory = self.runtime.collectives.allgather_object(mine, "regatta.dp.inventory")
+        self._placement = (world, buddies([i["host"] for i in inventory]))
+        items = [{"rank": r, **i["commit"]} for r, i in enumerate(inventory) if i["commit"]]
+        step = covering_step(items)
+        if step is not None:
+            detail = self._from_memory(items, step, inventory)
+        else:
+            detail = self._from_root(items)
+        self.save()
+        return detail
+
+    def _from_memory(self, items: list[dict], step: int, inventory: list[dict]) -> dict:
+        """Reassemble commit ``step`` on the ranks whose live state is not already it."""
+        rank, hvd = self.runtime.world.rank, self.runtime.hvd
+        parts = cover(items, step)
+        detail = {"source": "memory", "from_step": step,
+                  "parts": [[p.owner, p.start, p.end] for p in parts]}
+        needs = [not (i["current"] and i["commit"]["step"] == step) for i in inventory]
+        if not any(needs):
+            return {**detail, "moved_bytes": 0}
+        root = min(i["rank"] for i in items if i["step"] == step)
+        mine = self._commit if self._commit is not None and self._commit.step == step else None
+        skeleton = self.runtime.collectives.broadcast_object(
+            mine.skeleton if rank == root else None, "regatta.dp.skeleton", root=root)
+        target = self._target(skeleton) if needs[rank] else None
+        snapshot.gather(parts, rank, hvd, lambda part, start, end, _: mine.piece(part.held, start, end),
+                        target)
+        if target is not None:
+            self._load(target.tree())
+        return {**detail, "moved_bytes": parts[-1].end if parts else 0}
+
+    def _from_root(self, items: list[dict]) -> dict:
+        """Rank 0's live state everywhere: a fresh start, or after reloading the durable
+        checkpoint when the commits held among the ranks left have a gap."""
+        rank, hvd = self.runtime.world.rank, self.runtime.hvd
+        lost = bool(items)
+        if lost:
+            held = sorted({i["step"] for i in items})
+            self.runtime.events.record("state_lost", None, steps_held=held)
+            self._commit = None      # its step is about to go back to the checkpoint's
+        error = self._reload_checkpoint(held) if lost and rank == 0 else None
+        flat = Flat.of(self.live()) if rank == 0 else None
+        skeleton, total, error = self.runtime.collectives.broadcast_object(
+            (flat.skeleton, flat.total, error) if rank == 0 else None, "regatta.dp.skeleton")
+        if error:
+            raise checkpoint.CheckpointError(error)
+        parts = [Part(owner=0, start=0, end=total, held=(0, total))]
+        target = self._target(skeleton) if rank != 0 else None
+        snapshot.gather(parts, rank, hvd, lambda part, start, end, out: flat.read(start, end, out),
+                        target)
+        if target is not None:
+            self._load(target.tree())
+        return {"source": "checkpoint" if lost else "root", "from_step": self.step, "moved_bytes": total}
+
+    def _target(self, skeleton) -> Flat:
+        """Where a state with ``skeleton`` is received: straight into the live tensors when
+        they have its layout (a survivor's do: no allocation, no copy afterwards), else
+        into fresh ones (a new worker has no optimizer state yet)."""
+        return Flat.of(self.live()).into(skeleton) or Flat.empty(skeleton)
+
+    def _reload_checkpoint(self, held: list[int]) -> str | None:
+        """Load the durable checkpoint into the live state; an error message, or None."""
+        try:
+            saved = checkpoint.load(self._checkpoint_path, expect=FORMAT)
+        except checkpoint.CheckpointError as err:
+            return str(err)
+        if saved is None:
+            return (f"no commit is fully held by the ranks left (steps held: {held}) and there "
+                    f"is no durable checkpoint at {self._checkpoint_path} to resume from")
+        self._load(saved)
+        return None
+
+    def write_checkpoint(self):
+        """Rank 0: snapshot the live state, then write it in the background; a Future of
+        the checkpoint event's detail."""
+        if not self.runtime.world.is_root or self._checkpointed_step == self.step:
+            return None
+        self._checkpointed_step = self.step
+        return self._writer.submit(lambda: {"format": FORMAT, "run_id": self.runtime.run_id,
+                                            "world_size": self.runtime.world.size,
+                                            **copy_to_host(self.live())}, self._checkpoint_path)
+
+    def load_checkpoint(self) -> dict | None:
+        saved = checkpoint.load(self._checkpoint_path, expect=FORMAT)
+        if saved is None:
+            return None
+        self._load(saved)
+        return {"path": str(self._checkpoint_path), "saved_world_size": saved["world_size"],
+                "run_id": saved["run_id"]}
+
+    def write_handoff(self, path: Path) -> None:
+        """This rank's part of the last commit (its shares, step and cursor), for the
+        worker that replaces it in place (elastic/restart.py)."""
+        if self._commit is not None:
+            snapshot.save_commit(self._commit, Path(path))
+
+    def load_handoff(self, path: Path) -> None:
+        """A predecessor's part of the commit: held as this rank's own, so the sync after
+        the reset can take its bytes from here."""
+        self._commit = snapshot.load_commit(Path(path))
+        self.restore_committed()
+
+    def audit_hash(self) -> dict | None:
+        """Digests of the model, of the optimizer state, and of everything committed
+        together (model, optimizer, scheduler, scaler, tracked objects, step and cursor);
+        None while the live state waits for a restore to finish in sync."""
+        if self._stale:
+            return None
+        return {"param_hash": checkpoint.parameter_hash(self.model),
+                "optimizer_hash": tree_digest(self.optimizer.state_dict()),
+                "state_hash": tree_digest(self.live())}

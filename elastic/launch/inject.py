@@ -1,0 +1,139 @@
+"""Faults from outside the training processes, at random instants, as real ones come.
+
+The launcher knows each host's training processes (:class:`Workers`: the processes the
+warm agents forked, or with cold workers the Python processes horovodrun started) and,
+once a fault's step is reached, strikes at a random instant within the next two steps:
+mid-allreduce, mid-commit or mid-reset alike. Each strike is recorded as a
+``fault_injected`` event (fault, target host, slot, pid) in the launcher's event log,
+and so in the store when the run has one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import threading
+import time
+
+import psutil
+
+from .agent import NAMESPACE_ENV
+
+
+class Workers:
+    """Which process is the training process of (host, slot) right now."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        self._lock = threading.Lock()
+        self._live: dict[int, tuple[str, int]] = {}   # pid -> (host, slot), from agents
+
+    def follow(self, stream) -> None:
+        """Read an agent's announcements (elastic.launch.agent.tell) until it ends."""
+        def read() -> None:
+            for line in stream:
+                try:
+                    message = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                with self._lock:
+                    if "spawn" in message:
+                        self._live[message["spawn"]] = (message["host"], message["slot"])
+                    elif "exit" in message:
+                        self._live.pop(message["exit"], None)
+        threading.Thread(target=read, name="regatta-agent-reader", daemon=True).start()
+
+    def pids(self, host: str, slot: int | None = None) -> list[tuple[int, int]]:
+        """(pid, slot) of host's training processes, oldest first."""
+        with self._lock:
+            found = [(pid, s) for pid, (h, s) in self._live.items() if h == host]
+        found += self._started_by_horovodrun(host)
+        return sorted((p, s) for p, s in found if slot is None or s == slot)
+
+    def _started_by_horovodrun(self, host: str) -> list[tuple[int, int]]:
+        """Cold workers: Python processes whose environment names this launch and host."""
+        found = []
+        for proc in psutil.process_iter(["pid", "name"]):
+            try:
+                env = proc.environ()
+            except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+                continue
+            if env.get(NAMESPACE_ENV) == self.namespace and env.get("HOROVOD_HOSTNAME") == host \
+                    and "python" in (proc.info["name"] or "") and "elastic.launch.shim" not in \
+                    " ".join(proc.cmdline()):
+                found.append((proc.pid, int(env.get("HOROVOD_LOCAL_RANK", 0))))
+        return found
+
+
+class Injector:
+    """Strikes the plan's outside faults. ``reached(step, step_time)`` from the launcher's
+    loop arms the faults whose step has come; each then strikes on its own timer."""
+
+    def __init__(self, faults: list[dict], workers: Workers, network, log, seed: int = 0):
+        self.pending = sorted(faults, key=lambda f: f["step"])   # stable: chains stay in order
+        self.workers, self.network, self.log = workers, network, log
+        self.rng = random.Random(seed)
+        self.timers: list[threading.Timer] = []
+        self.struck: list[dict] = []
+
+    def reached(self, step: int, step_time: float) -> None:
+        while self.pending and step >= self.pending[0]["step"]:
+            chain = [self.pending.pop(0)]
+            while self.pending and self.pending[0].get("after") is not None:
+                chain.append(self.pending.pop(0))
+            after = chain[0].get("after")
+            self._later(after if after is not None else self.rng.uniform(0, 2 * max(step_time, 0.01)),
+                        self._strike_chain, chain, step)
+
+    def _strike_chain(self, chain: list[dict], step: int) -> None:
+        """A fault, then each that follows it AFTER seconds after it struck (finding a
+        host's processes takes tens of milliseconds: a timer from the arming would not do)."""
+        self._strike(chain[0], step)
+        if chain[1:]:
+            self._later(chain[1]["after"], self._strike_chain, chain[1:], step)
+
+    def _later(self, seconds: float, action, *args) -> None:
+        timer = threading.Timer(seconds, action, args)
+        timer.daemon = True
+        self.timers.append(timer)
+        timer.start()
+
+    def _strike(self, fault: dict, step: int) -> None:
+        kind, host = fault["fault"], fault["host"]
+        if kind in ("sigkill", "stop"):
+            sig = signal.SIGKILL if kind == "sigkill" else signal.SIGSTOP
+            targets = self.workers.pids(host, fault["slot"])
+            for pid, slot in targets:
+                self._signal(pid, sig, "kill" if kind == "sigkill" else "stop", host, slot, step)
+            if kind == "stop":
+                self._later(fault["seconds"], self._resume, targets, host, step)
+        else:
+            self.network.link(host, up=False)
+            self._record(kind, host, None, None, step, seconds=fault["seconds"])
+            if kind == "partition":
+                self._later(fault["seconds"], self._heal, host, step)
+
+    def _signal(self, pid: int, sig: int, name: str, host: str, slot: int, step: int) -> None:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+        self._record(name, host, slot, pid, step)
+
+    def _resume(self, targets: list, host: str, step: int) -> None:
+        for pid, slot in targets:
+            self._signal(pid, signal.SIGCONT, "cont", host, slot, step)
+
+    def _heal(self, host: str, step: int) -> None:
+        self.network.link(host, up=True)
+        self._record("heal", host, None, None, step)
+
+    def _record(self, fault: str, host: str, slot, pid, step: int, **detail) -> None:
+        event = self.log.record("fault_injected", step, fault=fault, target=host, slot=slot,
+                                pid=pid, **detail)
+        self.struck.append(event)
+
+    def stop(self) -> None:
+        for timer in self.timers:
+            timer.cancel()

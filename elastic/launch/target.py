@@ -1,0 +1,66 @@
+"""What a launcher starts in each worker: a job under jobs/, any module, or a script file.
+
+    regatta local digits ...                 jobs.digits
+    regatta local mypkg.train ...            the module mypkg.train
+    regatta local path/to/train.py ...       the script at that path
+
+A name with no dot or slash is a job under jobs/; one ending in ``.py`` or holding a slash
+is a file; anything else is a module, as ``python -m`` takes it.
+"""
+from __future__ import annotations
+
+import importlib
+import runpy
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class TargetError(ValueError):
+    """The thing to launch does not exist or is not launchable; the message names it."""
+
+
+@dataclass(frozen=True)
+class Target:
+    kind: str      # module | file
+    value: str     # a module name, or an absolute path
+
+    @classmethod
+    def parse(cls, text: str) -> "Target":
+        if not text:
+            raise TargetError("nothing to launch: give a job name, a module or a script path")
+        if text.endswith(".py") or "/" in text:
+            path = Path(text).resolve()
+            if not path.is_file():
+                raise TargetError(f"script {text} does not exist")
+            return cls("file", str(path))
+        return cls("module", text if "." in text else f"jobs.{text}")
+
+    @classmethod
+    def from_python_args(cls, args: list[str]) -> "Target":
+        """The inverse of ``python_args``: ``["-m", MODULE]`` or ``[PATH]``."""
+        return cls("module", args[1]) if args[0] == "-m" else cls("file", args[0])
+
+    @property
+    def name(self) -> str:
+        """A short name for logs and progress bars."""
+        return Path(self.value).stem if self.kind == "file" else self.value.rsplit(".", 1)[-1]
+
+    def python_args(self) -> list[str]:
+        """What follows ``python`` to run it."""
+        return ["-m", self.value] if self.kind == "module" else [self.value]
+
+    def load(self) -> dict:
+        """Its namespace, without running its ``__main__`` block (for ``regatta plan``)."""
+        if self.kind == "module":
+            try:
+                return vars(importlib.import_module(self.value))
+            except ModuleNotFoundError as err:
+                raise TargetError(f"cannot import {self.value}: {err}") from None
+        return runpy.run_path(self.value, run_name="__regatta_load__")
+
+    def run(self) -> None:
+        """Run it as ``__main__`` in this process (a warm agent's forked worker)."""
+        if self.kind == "module":
+            runpy.run_module(self.value, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(self.value, run_name="__main__")

@@ -1,0 +1,332 @@
+"""Fast failure detection for a Horovod worker: survivors leave a blocked collective
+within a second of a peer's death instead of waiting out Gloo's receive timeout, and a
+death during the recovery itself starts it over instead of hanging it.
+
+The lifelines (lifeline.py) say who died. While training, this module then shuts down
+this rank's Gloo peer connections (a shutdown on a dup of each fd), which makes Horovod
+raise ``HorovodInternalError`` in the blocked collective; ``hvd.elastic.run`` restores
+the last commit and resets. Only the connections Horovod's Gloo opened during the last
+``hvd.init`` are touched (see :class:`ConnectionBaseline`), never the driver's, the
+metrics sink's, a lifeline or a torch.distributed group's.
+
+The lifelines of a generation stay up until the next one is built, so deaths during a
+recovery are seen too. Until ``hvd.init`` returns nothing can be severed (Gloo's
+rendezvous aborts the process instead of raising), so a survivor stuck there is restarted
+in place (restart.py); after it, the new world's connections are severed as above.
+Gloo can abort a survivor before anyone has marked the rendezvous (a peer's socket closes
+the instant it dies, mid mesh connection): so each re-forming starts by leaving this
+rank's commit where a replacement finds it, and the agent replaces a worker that aborted
+while its hand-off was out (restart.py, :class:`Handoff`).
+
+The runtime calls :meth:`FastRecovery.before_init` before every (re)initialisation,
+:meth:`FastRecovery.adopt` once its training state exists, :meth:`FastRecovery.enter` on
+(re)entering its training loop, and :meth:`FastRecovery.close` at the end.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from . import restart
+from .faults import FaultPlan
+from .lifeline import Lifeline
+from .liveness import Heartbeat
+
+
+def established() -> set[tuple[int, tuple, tuple]]:
+    """(fd, local address, remote address) of this process's established TCP sockets."""
+    return {(c.fd, tuple(c.laddr), tuple(c.raddr))
+            for c in psutil.Process().net_connections(kind="tcp")
+            if c.status == psutil.CONN_ESTABLISHED and c.fd >= 0 and c.raddr}
+
+
+class ConnectionBaseline:
+    """Remembers the sockets open before ``hvd.init`` so the new ones can be told apart."""
+
+    def __init__(self) -> None:
+        self.before: set = set()
+
+    def mark(self) -> None:
+        self.before = established()
+
+    def gloo_connections(self, exclude_fds: set[int]) -> list[tuple[int, tuple, tuple]]:
+        rendezvous = int(os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT", "0") or 0)
+        return [c for c in established() - self.before
+                if c[0] not in exclude_fds and c[2][1] != rendezvous]
+
+
+def sever(connections: list[tuple[int, tuple, tuple]]) -> int:
+    """Shut down each connection if its fd still names the same connection."""
+    count = 0
+    for fd, local, remote in connections:
+        try:
+            dup = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if dup.getsockname()[:2] == local[:2] and dup.getpeername()[:2] == remote[:2]:
+                dup.shutdown(socket.SHUT_RDWR)
+                count += 1
+        except OSError:
+            pass
+        finally:
+            dup.close()
+    return count
+
+
+def host_address(host: str) -> str:
+    """The address peers reach this host at: the launcher's host name when it is one of
+    this machine's addresses (simulated hosts), else the Gloo interface's IPv4."""
+    local = {a.address: nic for nic, addrs in psutil.net_if_addrs().items() for a in addrs
+             if a.family == socket.AF_INET}
+    try:
+        resolved = socket.gethostbyname(host)
+    except OSError:
+        resolved = ""
+    if resolved in local:
+        return resolved
+    iface = os.environ.get("HOROVOD_GLOO_IFACE", "")
+    return next((a for a, nic in local.items() if nic == iface), resolved or "127.0.0.1")
+
+
+def driver_reachable(timeout: float = 0.3) -> bool:
+    """Whether horovodrun's rendezvous server answers (always, outside elastic mode)."""
+    server = restart.rendezvous_server()
+    if server is None:
+        return True
+    try:
+        socket.create_connection(server, timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+RENDEZVOUS_GRACE_S = 1.0   # a rendezvous of live workers takes a fraction of this
+
+
+class FastRecovery:
+    """Glue for the training loop: which sockets are Gloo's, the current lifelines, and
+    what a death means in each phase (training, or re-forming the world)."""
+
+    def __init__(self, events, heartbeat: Heartbeat, stall_after: float = 5.0,
+                 dies_connecting=lambda step: False) -> None:
+        self.events, self.heartbeat, self.stall_after = events, heartbeat, stall_after
+        self.dies_connecting = dies_connecting   # a planned fault (faults.py): step -> bool
+        self.baseline = ConnectionBaseline()
+        self.lifeline: Lifeline | None = None
+        self.gloo: list = []
+        self.state = None               # the training state a replacement gets (adopt)
+        self.entered = False            # this process holds the job's state (it synced)
+        self._armed = False             # training: the next death severs Gloo
+        self._forming = False           # between before_init and enter: the world re-forms
+        self._episode = 0               # which re-forming (each has its own watch)
+        self._death_seen_at = 0.0       # the last death a lifeline reported while re-forming
+        self._handoff: Handoff | None = None   # out from before_init until hvd.init returns
+        self._last_size = 1             # the size of the world last entered
+
+    # -- the runtime's calls ----------------------------------------------------------------
+    def before_init(self) -> None:
+        """Call before anything (re)initialises Horovod: a restore, a planned reset."""
+        self._armed = False
+        self.baseline.mark()
+        self._death_seen_at = 0.0
+        first = not self.entered and self.lifeline is None
+        if first and os.environ.get(restart.HANDOFF_ENV):
+            self._take_place()
+            # Out under this worker's name at once: replaced again before it loads the
+            # commit (the world it joined was doomed too), its successor still finds it.
+            self._handoff = Handoff(restart.own_handoff_path(), None,
+                                    predecessor=Path(os.environ[restart.HANDOFF_ENV]))
+        if not first:
+            restart.await_assignment()
+            self._put_handoff()
+        self._episode += 1
+        self._forming = True
+        threading.Thread(target=self._watch_forming, args=(self._episode,), name="regatta-forming",
+                         daemon=True).start()
+
+    def adopt(self, state) -> None:
+        """The training state: a replacement resumes from the commit its predecessor left
+        (``state.load_handoff``); this process leaves one the same way (``write_handoff``)."""
+        self.state = state
+        path = self._handoff.path if self._handoff is not None else None
+        if path and path.exists() and hasattr(state, "load_handoff"):
+            state.load_handoff(path)
+            self.entered = True          # it holds the job's state, as its predecessor did
+            self.events.record("handoff_loaded", state.step, path=str(path))
+
+    def initialised(self) -> None:
+        """Call once ``hvd.init`` has returned, before the sync changes the commit: from
+        here a death makes a collective fail, and no abort needs a hand-off."""
+        if self._handoff is not None:
+            self._handoff.withdraw()
+            self._handoff = None
+
+    def enter(self, world, allgather) -> None:
+        """Call on (re)entering the training loop, after ``hvd.init`` and sync.
+        ``allgather(obj, name)`` returns every rank's ``obj`` in rank order (under
+        Horovod: ``hvd.allgather_object(obj, name=name)``)."""
+        self._forming = False
+        self.initialised()
+        restart.settle_environment()
+        self.entered = True
+        if self.lifeline is not None:   # peers still forming must not take this for a death
+            self.lifeline.close(goodbye=True)
+            # Forgotten now: a death while the next one is built (its allgather raises) would
+            # otherwise leave the closed one here, and closing it again writes to fds that
+            # may by then be another socket's.
+            self.lifeline = None
+        self.gloo = self.baseline.gloo_connections(exclude_fds=set())
+        self._last_size = world.size
+        self.lifeline = Lifeline(world.rank, world.size, world.host, host_address(world.host),
+                                 allgather, self.heartbeat, self._on_death, self._on_stall,
+                                 self.stall_after)
+        self._armed = True
+        self.events.record("lifeline", None, peers=len(self.lifeline.peers),
+                           gloo_sockets=len(self.gloo))
+
+    def close(self) -> None:
+        self._forming = False
+        self.initialised()
+        if self.lifeline is not None:
+            self.lifeline.close(goodbye=True)
+            self.lifeline = None
+
+    # -- deaths and stalls ------------------------------------------------------------------
+    def _on_death(self, rank: int, host: str, how: str, when: float) -> None:
+        if how == "timeout" and not driver_reachable():
+            # Every peer falls silent at once for a rank whose own link is down: it is
+            # the one cut off. Leaving lets the driver count it failed now, not when its
+            # re-initialisation gives up on the driver many seconds later.
+            self.events.record("cut_off", self.heartbeat.step, peer_rank=rank, target=host)
+            os._exit(restart.CUT_OFF_EXIT)
+        if self._armed:
+            self._armed = False   # one reset per generation: the rest is the recovery's
+            severed = sever(self.gloo)
+            self.events.record("peer_lost", self.heartbeat.step, peer_rank=rank, target=host,
+                               severed=severed, how=how)
+            return
+        # Already recovering: this rank may have left the collective (its peers' severed
+        # connections) before its own lifeline told it of the death that started it. A
+        # process's death is marked by its agent; a vanished host's agent cannot say so,
+        # so say it for it.
+        self.events.record("peer_lost", self.heartbeat.step, peer_rank=rank, target=host,
+                           how=how, while_recovering=True)
+        self._death_seen_at = time.time()
+        if how == "timeout":
+            threading.Thread(target=restart.put_mark, daemon=True,
+                             args=(restart.rendezvous_server(), f"{host} timed out")).start()
+
+    def _on_stall(self, kind: str, rank: int, host: str, **detail) -> None:
+        self.events.record(kind, self.heartbeat.step, stalled_rank=rank, target=host, **detail)
+
+    # -- while the world re-forms -----------------------------------------------------------
+    def _watch_forming(self, episode: int) -> None:
+        """Until the loop is entered again: a death after ``hvd.init`` returned severs the
+        new world's connections (its sync then fails at once); a death while this rank is
+        in Gloo's rendezvous restarts it in place. While the driver is still placing the
+        workers, a death is the driver's to handle (and older marks mean nothing)."""
+        import horovod.torch as hvd
+        server = restart.rendezvous_server()
+        went_down, severed, assigned_at = not hvd.is_initialized(), False, None
+        doomed = self.entered and self.dies_connecting(self.heartbeat.step)
+        while self._forming and self._episode == episode:
+            time.sleep(0.0002 if doomed else 0.02)
+            initialised = hvd.is_initialized()
+            if doomed and went_down and restart.assigned() and self._last_connection_due():
+                FaultPlan.kill_now(self.events, self.heartbeat.step, connecting=True)
+            went_down = went_down or not initialised
+            if went_down and initialised:
+                if not severed and restart.marked(server):
+                    count = sever(self.baseline.gloo_connections(exclude_fds=set()))
+                    self.events.record("severed_while_recovering", self.heartbeat.step, severed=count)
+                    severed = True
+            elif went_down and restart.assigned():
+                if assigned_at is None and self._handoff is not None:
+                    self._handoff.describe(restart.current_slot())   # local ranks move
+                assigned_at = assigned_at or time.time()
+                if restart.marked(server):
+                    self._restart_in_place("a peer died during the rendezvous")
+                # The agent's mark can be swept away by the very assignment that still
+                # counted the dead worker in; then this rank's own lifeline is the witness.
+                since = max(self._death_seen_at, assigned_at)
+                if self._death_seen_at and time.time() - since > RENDEZVOUS_GRACE_S:
+                    self._restart_in_place("the rendezvous stalled after a peer died")
+
+    def _can_be_replaced(self) -> bool:
+        """Whether a fresh worker could take this one's place with nothing lost: there is
+        an agent to start it, and whatever state this one holds can be handed over."""
+        return bool(os.environ.get(restart.AGENT_CHILD_ENV)) and \
+            (not self.entered or hasattr(self.state, "write_handoff"))
+
+    def _put_handoff(self) -> None:
+        self.initialised()   # one hand-off out at a time (a reset can follow a restore)
+        if self._can_be_replaced():
+            self._handoff = Handoff(restart.own_handoff_path(),
+                                    self.state if self.entered else None)
+
+    def _last_connection_due(self) -> bool:
+        """Whether Gloo has made all but the last of this rank's connections to the world
+        re-forming (as many per peer as in the last world): the survivors have connected
+        and are in Horovod's first collectives, which abort the process on a death."""
+        size = int(restart.assigned_size())
+        per_peer = len(self.gloo) // max(1, self._last_size - 1)
+        made = len(self.baseline.gloo_connections(exclude_fds=set()))
+        return made >= max(1, per_peer * (size - 1) - 1)
+
+    def _restart_in_place(self, reason: str) -> None:
+        if self._handoff is None:
+            return   # no agent, or state that cannot be handed over: Horovod's timeout it is
+        self._handoff.describe(restart.current_slot())
+        written = self._handoff.written()
+        self.events.record("restart_in_place", self.heartbeat.step, reason=reason,
+                           handoff=written)
+        os._exit(restart.RESTART_EXIT)
+
+    def _take_place(self) -> None:
+        """A replacement: this slot's place in the world now forming, or leave."""
+        if not restart.take_assignment(os.environ.get("HOROVOD_HOSTNAME", socket.gethostname())):
+            self.events.record("no_place", None)
+            os._exit(0)
+
+
+class Handoff:
+    """This rank's commit, left for the worker that may replace it while the world
+    re-forms. The description (its slot) goes first and at once: it is what tells the
+    agent that an abort now is Gloo's, not a death. The commit is written beside it in the
+    background, overlapping the rendezvous; a replacement that finds no commit (an abort
+    before it was written) joins stateless, and the sync takes the bytes from the others."""
+
+    def __init__(self, path: Path, state, predecessor: Path | None = None) -> None:
+        self.path = path
+        self.describe(restart.current_slot())
+        if predecessor is not None:
+            for mine, theirs in zip(restart.handoff_files(path), restart.handoff_files(predecessor)):
+                if theirs.exists() and mine.suffix != ".json":
+                    os.replace(theirs, mine)
+                theirs.unlink(missing_ok=True)
+        self._writer = threading.Thread(target=self._write, args=(state,),
+                                        name="regatta-handoff", daemon=True)
+        self._writer.start()
+
+    def describe(self, slot: int) -> None:
+        restart.describe_handoff(self.path, slot)
+
+    def _write(self, state) -> None:
+        if state is not None:
+            state.write_handoff(self.path)
+
+    def written(self) -> bool:
+        """Waits for the commit's write; whether there is one."""
+        self._writer.join()
+        return self.path.exists()
+
+    def withdraw(self) -> None:
+        self._writer.join()
+        for leftover in restart.handoff_files(self.path):
+            leftover.unlink(missing_ok=True)

@@ -1,0 +1,1 @@
+"""A worker's life, the same for every engine (see worker.py)."""

@@ -1,0 +1,119 @@
+"""The few collectives the runtime itself needs, over whatever the launcher started.
+
+Under Horovod (horovodrun, or mpirun for data parallelism) they are Horovod's; an mpirun
+pipeline never initialises Horovod and uses MPI's world communicator; one process needs
+none. Names keep Horovod's concurrent collectives apart (see DESIGN.md on
+``broadcast_object`` hanging without one).
+
+``allreduce_sum_async`` (Horovod and one process: the data-parallel engine's) starts
+summing a group of tensors (one fused collective) and returns a :class:`Request`;
+several may be in flight at once (the data-parallel engine overlaps gradient buckets with backward). Each
+must be waited on exactly once; ``wait`` raises the collective's failure (under Horovod a
+``HorovodInternalError``, which the elastic loop turns into a restore).
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class Request(Protocol):
+    def done(self) -> bool:
+        """Whether the collective has completed (then ``wait`` does not block)."""
+
+    def wait(self) -> None:
+        """Block until the collective has completed; raise its failure."""
+
+
+class Collectives(Protocol):
+    def allreduce_sum(self, tensor: torch.Tensor, name: str) -> None:
+        """Sum ``tensor`` over every rank, in place."""
+
+    def allreduce_sum_async(self, tensors: list[torch.Tensor], name: str, scale: float = 1.0) -> Request:
+        """Start summing each of ``tensors`` over every rank, in place, as one collective,
+        and multiplying the sums by ``scale``; they must not be touched until the request
+        is waited on."""
+
+    def allgather_object(self, obj, name: str) -> list:
+        """Every rank's picklable ``obj``, in rank order."""
+
+    def broadcast_object(self, obj, name: str, root: int = 0):
+        """Rank ``root``'s ``obj`` on every rank."""
+
+
+class Completed:
+    """A request that needed no communication."""
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
+
+
+class Alone:
+    """One process: every collective is the identity (times the scale asked for)."""
+
+    def allreduce_sum(self, tensor, name):
+        pass
+
+    def allreduce_sum_async(self, tensors, name, scale=1.0):
+        if scale != 1.0:
+            for tensor in tensors:
+                tensor.mul_(scale)
+        return Completed()
+
+    def allgather_object(self, obj, name):
+        return [obj]
+
+    def broadcast_object(self, obj, name, root=0):
+        return obj
+
+
+class HorovodCollectives:
+    def __init__(self, hvd):
+        self.hvd = hvd
+
+    def allreduce_sum(self, tensor, name):
+        if self.hvd.size() > 1:
+            self.hvd.allreduce_(tensor, op=self.hvd.Sum, name=name)
+
+    def allreduce_sum_async(self, tensors, name, scale=1.0):
+        if self.hvd.size() == 1:
+            return Alone().allreduce_sum_async(tensors, name, scale)
+        return HorovodRequest(self.hvd, self.hvd.grouped_allreduce_async_(
+            list(tensors), op=self.hvd.Sum, name=name, postscale_factor=scale))
+
+    def allgather_object(self, obj, name):
+        return self.hvd.allgather_object(obj, name=name) if self.hvd.size() > 1 else [obj]
+
+    def broadcast_object(self, obj, name, root=0):
+        return self.hvd.broadcast_object(obj, root_rank=root, name=name) if self.hvd.size() > 1 else obj
+
+
+class HorovodRequest:
+    def __init__(self, hvd, handle):
+        self.hvd, self.handle = hvd, handle
+
+    def done(self) -> bool:
+        return self.hvd.poll(self.handle)
+
+    def wait(self) -> None:
+        self.hvd.synchronize(self.handle)
+
+
+class MpiCollectives:
+    def __init__(self):
+        from mpi4py import MPI
+        self.mpi, self.comm = MPI, MPI.COMM_WORLD
+
+    def allreduce_sum(self, tensor, name):
+        if self.comm.Get_size() > 1:
+            self.comm.Allreduce(self.mpi.IN_PLACE, tensor.numpy(), op=self.mpi.SUM)
+
+    def allgather_object(self, obj, name):
+        return self.comm.allgather(obj)
+
+    def broadcast_object(self, obj, name, root=0):
+        return self.comm.bcast(obj, root=root)

@@ -1,0 +1,122 @@
+"""Every environment variable that changes a worker's behaviour, read once at start.
+
+``Env.read()`` is called once per process by the runtime and the typed result is passed
+down; nothing below it reads ``os.environ``. The README lists each variable.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass, field
+
+from elastic.faults import FaultPlan
+
+# Where launchers put a process's index among the ranks of its machine.
+LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "HOROVOD_LOCAL_RANK", "LOCAL_RANK",
+                   "MPI_LOCALRANKID", "SLURM_LOCALID")
+MPIRUN_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
+
+
+class EnvError(ValueError):
+    """An environment variable holds a value the runtime cannot use; the message names it."""
+
+
+@dataclass(frozen=True)
+class LaunchedWorld:
+    """The fixed world a launcher started, before any library is initialised."""
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+
+
+@dataclass(frozen=True)
+class Env:
+    launcher: str = "single"        # horovodrun | mpirun | single
+    elastic: bool = False           # HOROVOD_ELASTIC=1: horovodrun with a discovery script
+    host: str = ""                  # HOROVOD_HOSTNAME, else this machine's name
+    launched: LaunchedWorld = field(default_factory=LaunchedWorld)
+    procs_per_machine: int = 0      # REGATTA_PROCS_PER_MACHINE (0: the local size)
+    fast_recovery: bool = True      # REGATTA_FAST_RECOVERY (0: stock Horovod detection)
+    audit: bool = False             # REGATTA_AUDIT=1: parameter hashes on commit/restore/sync
+    run_id: str = ""                # REGATTA_RUN_ID: join this run (set by launchers)
+    ingest_token: str | None = None  # REGATTA_INGEST_TOKEN: bearer token for --ingest
+    device: str = ""                # REGATTA_DEVICE: cpu | cuda | cuda:N | auto ("" = default)
+    faults: FaultPlan = field(default_factory=FaultPlan)   # REGATTA_FAULTS (JSON)
+    slow_ranks: tuple = ()          # REGATTA_SLOW_RANKS=RANK:FACTOR,...: ((rank, factor), ...)
+    mpi_cuda_aware: bool | None = None   # REGATTA_MPI_CUDA_AWARE=0|1 (None: ask MPI)
+    pipe_init: str = ""             # REGATTA_PIPE_INIT: torch.distributed init method
+    launch_key: str = ""            # what every process of one launch shares (run ids)
+
+    @classmethod
+    def read(cls, environ: dict | None = None) -> "Env":
+        env = os.environ if environ is None else environ
+        launcher = ("horovodrun" if "HOROVOD_RANK" in env or env.get("HOROVOD_ELASTIC") == "1"
+                    else "mpirun" if any(k in env for k in MPIRUN_VARS) else "single")
+        return cls(launcher=launcher, elastic=env.get("HOROVOD_ELASTIC") == "1",
+                   host=env.get("HOROVOD_HOSTNAME") or socket.gethostname(),
+                   launched=_launched(env), procs_per_machine=_int(env, "REGATTA_PROCS_PER_MACHINE", 0),
+                   fast_recovery=env.get("REGATTA_FAST_RECOVERY", "1") == "1",
+                   audit=env.get("REGATTA_AUDIT") == "1", run_id=env.get("REGATTA_RUN_ID", ""),
+                   ingest_token=env.get("REGATTA_INGEST_TOKEN") or None,
+                   device=env.get("REGATTA_DEVICE", "").strip().lower(),
+                   faults=_faults(env), slow_ranks=_slow_ranks(env),
+                   mpi_cuda_aware=_flag(env, "REGATTA_MPI_CUDA_AWARE"),
+                   pipe_init=env.get("REGATTA_PIPE_INIT", ""), launch_key=_launch_key(env))
+
+    def slow_factor(self, rank: int, host: str) -> float:
+        """The slowdown injected into this rank: by rank, else the fault plan's by host."""
+        return dict(self.slow_ranks).get(rank, float(self.faults.slow.get(host, 1.0)))
+
+
+def _int(env, name: str, default: int) -> int:
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise EnvError(f"{name} must be an integer, got {text!r}") from None
+
+
+def _flag(env, name: str) -> bool | None:
+    text = env.get(name, "").strip().lower()
+    return None if not text else text in ("1", "true", "yes")
+
+
+def _launched(env) -> LaunchedWorld:
+    for prefix in ("OMPI_COMM_WORLD_", "HOROVOD_"):
+        if prefix + "SIZE" in env:
+            return LaunchedWorld(rank=_int(env, prefix + "RANK", 0), size=_int(env, prefix + "SIZE", 1),
+                                 local_rank=_int(env, prefix + "LOCAL_RANK", 0),
+                                 local_size=_int(env, prefix + "LOCAL_SIZE", 1))
+    local = next((int(env[n]) for n in LOCAL_RANK_VARS if env.get(n, "").strip().isdigit()), 0)
+    return LaunchedWorld(local_rank=local, local_size=local + 1)
+
+
+def _faults(env) -> FaultPlan:
+    text = env.get("REGATTA_FAULTS", "")
+    try:
+        return FaultPlan(**json.loads(text)) if text else FaultPlan()
+    except (ValueError, TypeError) as err:
+        raise EnvError(f"REGATTA_FAULTS is not a fault plan: {err}") from None
+
+
+def _slow_ranks(env) -> tuple:
+    pairs = []
+    for item in filter(None, env.get("REGATTA_SLOW_RANKS", "").split(",")):
+        rank, _, factor = item.partition(":")
+        try:
+            pairs.append((int(rank), float(factor)))
+        except ValueError:
+            raise EnvError(f"REGATTA_SLOW_RANKS item {item!r} must look like RANK:FACTOR") from None
+    return tuple(pairs)
+
+
+def _launch_key(env) -> str:
+    """A value every process of one launch sees and the next launch does not: horovodrun's
+    rendezvous address, mpirun's job id; empty for a single process."""
+    if env.get("HOROVOD_GLOO_RENDEZVOUS_ADDR"):
+        return f"{env['HOROVOD_GLOO_RENDEZVOUS_ADDR']}:{env.get('HOROVOD_GLOO_RENDEZVOUS_PORT', '')}"
+    return env.get("PMIX_NAMESPACE") or env.get("OMPI_MCA_ess_base_jobid", "")

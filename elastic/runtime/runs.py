@@ -1,0 +1,87 @@
+"""Which run a worker belongs to, and the store's row that describes it.
+
+Every launch is a new run: all its processes derive the same id from what the launcher
+gave them (``Env.launch_key``), or take ``REGATTA_RUN_ID`` when a launcher chose one
+(``regatta local``, ``regatta supervise`` across relaunches). ``train.resume`` continues
+the run whose checkpoint is in the checkpoint folder instead, under that run's id.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from monitor.sink import make_sink
+
+from .env import Env
+
+
+RUN_ID_FILE = "run_id"   # beside every checkpoint: which run it belongs to (resume auto)
+
+
+def resumed_run_id(cfg) -> str:
+    """The run id ``train.resume`` continues, or "" for a new run."""
+    if cfg.resume != "auto":
+        return cfg.resume
+    marker = cfg.checkpoint_path.parent / RUN_ID_FILE
+    try:
+        return marker.read_text().strip()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"train.resume = 'auto', but {marker} does not exist on this host "
+                                f"(no checkpoint was written there): pass the run id to continue "
+                                f"(the dashboard and the first log line show it)") from None
+
+
+_trainings = itertools.count()   # runs started by this process (every rank starts the same ones)
+
+
+def new_run_id(job: str, env: Env) -> str:
+    if env.run_id:
+        return env.run_id
+    key = env.launch_key or secrets.token_hex(8)   # a single process needs agree with nobody
+    nth = next(_trainings)
+    return f"{job}-{hashlib.sha1(key.encode()).hexdigest()[:10]}" + (f"-{nth}" if nth else "")
+
+
+def run_row(run_id: str, job: str, status: str, **fields) -> dict:
+    """The store's row for a run. Later rows with the same id update only its status,
+    finish time and error, so ``started_at`` matters only in the first one."""
+    return {"type": "run", "id": run_id, "job": job, "status": status,
+            "started_at": fields.pop("started_at", time.time()), **fields}
+
+
+def code_revision(path: str | None = None) -> str | None:
+    """The git commit of the code being run (``+dirty`` with uncommitted changes), or None
+    outside a git checkout."""
+    folder = Path(path or sys.argv[0] or ".").resolve()
+    folder = folder if folder.is_dir() else folder.parent
+    try:
+        head = subprocess.run(["git", "-C", str(folder), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=5)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(folder), "status", "--porcelain", "-uno"],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
+def open_sink(cfg, env: Env):
+    """The metrics sink for this worker: HTTP ingest, else the store at ``train.db``."""
+    db = cfg.db or str(Path(cfg.run_dir) / "metrics.db")   # db = "" still means this run only
+    if not cfg.ingest and "://" not in db:
+        Path(db).parent.mkdir(parents=True, exist_ok=True)
+    return make_sink(db=None if cfg.ingest else db, ingest=cfg.ingest or None,
+                     token=env.ingest_token)
+
+
+def launcher_name(env: Env) -> str:
+    return {"single": "local"}.get(env.launcher, env.launcher)
+
+
+__all__ = ["new_run_id", "run_row", "code_revision", "open_sink", "launcher_name"]

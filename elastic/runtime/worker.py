@@ -1,0 +1,346 @@
+"""A worker's life, the same for every engine: init and re-init, the World, failure
+detection, events and their sink, the commit policy, host updates, step reporting, host
+samples, stragglers and stalls, the final checkpoint and the run's final status.
+
+The engine (data parallel, pipeline) supplies only what differs: its state, one step and
+the end of training (engine.py). ``train`` below is the one entry every launch uses:
+``horovodrun`` elastic (``hvd.elastic.run`` re-enters ``loop`` after every reset),
+``mpirun`` (a fixed world) and a single process.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import Future
+from contextlib import contextmanager
+from pathlib import Path
+
+import psutil
+import torch
+from horovod.common.exceptions import HostsUpdatedInterrupt
+from tqdm import tqdm
+
+from elastic.recovery import FastRecovery
+from elastic.liveness import Heartbeat
+
+from .collectives import Alone, HorovodCollectives, MpiCollectives
+from .commit_policy import CommitPolicy
+from .control import Pending
+from .env import Env
+from .checkpoint import CheckpointError
+from .events import EventLog, Progress
+from .reporting import HostSampler, StepReporter, memcpy_bandwidth
+from .runs import RUN_ID_FILE, code_revision, launcher_name, new_run_id, open_sink, resumed_run_id, run_row
+from .world import World, share_cores
+
+
+_current: "Runtime | None" = None   # the runtime of the training running in this process
+
+
+def current() -> "Runtime":
+    """The runtime of the training in progress (``regatta.log`` and ``context`` use it)."""
+    if _current is None:
+        raise RuntimeError("no training is running in this process: call regatta.log() and "
+                           "regatta.context() from code that fit() or train() runs")
+    return _current
+
+
+class Runtime:
+    def __init__(self, env: Env, cfg, job: str, config: dict, callbacks: list | None = None):
+        self.env, self.cfg, self.job, self.config = env, cfg, job, config
+        self.run_dir = Path(cfg.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_id = resumed_run_id(cfg) or new_run_id(job, env)
+        self.sink = open_sink(cfg, env)
+        self.world = World.launched(env)
+        self.events = EventLog(self.run_dir, env.host, self.world.slot, sink=self.sink,
+                               run_id=self.run_id)
+        self.heartbeat = Heartbeat()
+        self.recovery = FastRecovery(
+            self.events, self.heartbeat, cfg.stall_after,
+            dies_connecting=lambda step: env.faults.kills_connecting(env.host, step)) \
+            if env.elastic and env.fast_recovery else None
+        self.policy = CommitPolicy(fixed=cfg.fixed_commit_every)
+        self.reporter = StepReporter(self.sink, self.run_id, self.events, callbacks)
+        self.collectives, self.hvd, self.engine = Alone(), None, None
+        self.sampler: HostSampler | None = None
+        self.progress: Progress | None = None
+        self.bar: tqdm | None = None
+        self.commits = 0
+        self.entries = 0
+        self.writing: Future | None = None     # the durable checkpoint still being written
+        self._recorded = threading.Event()     # ... and once it is, its event recorded
+        self.state = None
+
+    # -- start and end -------------------------------------------------------------------
+    def init(self, engine) -> None:
+        """Initialise the world the engine runs on (Horovod, MPI or one process)."""
+        self.engine = engine
+        if self.recovery:
+            self.recovery.before_init()
+        started = time.time()
+        if engine.uses_horovod:
+            import horovod.torch as hvd
+            hvd.init()
+            self.hvd, self.collectives = hvd, HorovodCollectives(hvd)
+            self.world = World.from_horovod(hvd, self.env.host)
+        elif self.world.size > 1:
+            self.collectives = MpiCollectives()
+        share_cores(self.world, self.env)
+        self.events.rank = self.world.rank
+        self.events.record("start", None, size=self.world.size, elastic=self.env.elastic,
+                           engine=engine.name, fast_recovery=bool(self.recovery),
+                           process_created=psutil.Process().create_time(), init_started=started)
+        self.sampler = HostSampler(self.sink, self.run_id, self.world.host, self.world.slot)
+        if self.world.is_root:
+            self.events.record("calibration", None, memcpy_bytes_per_s=memcpy_bandwidth())
+            self.sink.emit(run_row(self.run_id, self.job, "running", config=self.config,
+                                   launcher=launcher_name(self.env), code_revision=code_revision()))
+
+    @property
+    def step(self) -> int:
+        return self.state.step if self.state is not None else 0
+
+    @contextmanager
+    def running(self):
+        """The run's final status, whatever happens: finished, or failed with the error."""
+        global _current
+        _current = self
+        try:
+            yield self
+        except BaseException as err:
+            if self.world.is_root and not isinstance(err, KeyboardInterrupt):
+                message = f"{type(err).__name__}: {err}"[:2000]
+                self.events.record("run_failed", None, error=message)
+                self.sink.emit(run_row(self.run_id, self.job, "failed", finished_at=time.time(),
+                                       error=message))
+            raise
+        finally:
+            _current = None
+            self.close()
+
+    def close(self) -> None:
+        self.wait_for_checkpoint()
+        if self.recovery:
+            self.recovery.close()
+        if self.sampler:
+            self.sampler.stop()
+        if self.bar is not None:
+            self.bar.close()
+        self.events.close()
+        self.sink.close()
+
+    # -- the loop ------------------------------------------------------------------------
+    def run(self, state) -> None:
+        """Train until ``train.steps``, surviving resets under horovodrun elastic."""
+        self.events.record("ready", state.step)
+        if self.env.elastic:
+            self.hvd.elastic.run(self.loop)(state)
+        else:
+            state.sync()
+            self.loop(state)
+
+    def loop(self, state) -> None:
+        """The body ``hvd.elastic.run`` re-enters after every reset (sync ran first)."""
+        self.enter(state)
+        entered = True
+        while state.step < self.cfg.steps:
+            self.env.faults.before_step(self.world, state.step, self.events)
+            self.heartbeat.enter_collective(state.step, time.time())
+            started = time.perf_counter()
+            row, agreed = self.engine.step(state, self.pending(state))
+            self.heartbeat.leave_collective(state.step)
+            if entered:   # the end of a recovery: first step done in this world
+                self.events.record("resumed", state.step, size=self.world.size,
+                                   step_time=time.perf_counter() - started)
+                entered = False
+            self.after_step(state, row, agreed)
+            if agreed.host_update:
+                self.commit(state, "membership", agreed.loss)
+                state.prepare_reset()
+                raise HostsUpdatedInterrupt(agreed.removed_only and not self.engine.replans)
+            if agreed.commit or state.step == self.cfg.steps:
+                self.commit(state, "periodic", agreed.loss, checkpoint=agreed.checkpoint)
+        if state.step == self.cfg.steps:   # inside the elastic loop: a failure here restores
+            self.checkpoint(state)
+
+    def enter(self, state) -> None:
+        self.entries += 1
+        self.policy.entered(state.step)
+        self.reporter.on_enter(self.world, self.collectives, state)
+        self.engine.enter(state)
+        if self.recovery:
+            self.recovery.enter(self.world, self.collectives.allgather_object)
+
+    def pending(self, state) -> Pending:
+        """Host flags from Horovod's driver and rank 0's commit vote for this step."""
+        vote = 0
+        if self.world.is_root and self.policy.due(state.step + 1):
+            every = self.cfg.checkpoint_every
+            vote = 2 if every and (self.commits + 1) % every == 0 else 1
+        return Pending(host_update=state.check_host_updates(), commit_vote=vote)
+
+    def after_step(self, state, row, agreed) -> None:
+        record = self.reporter.on_step(self.world, state.step, row, agreed,
+                                       self.engine.straggler_groups(state))
+        self.policy.observe_step(row.step_time)
+        if self.world.is_root:
+            self._show_progress(state, record)
+            every = self.cfg.eval_every
+            if every and state.step % every == 0 and state.step < self.cfg.steps:
+                self.log({f"eval/{k}": v for k, v in self.engine.evaluate(state).items()}, state.step)
+
+    def _show_progress(self, state, record: dict) -> None:
+        self.progress = self.progress or Progress(self.run_dir)
+        self.progress.update(state.step, self.world.size)
+        if self.cfg.progress:
+            if self.bar is None:
+                self.bar = tqdm(total=self.cfg.steps, initial=state.step, desc=self.job,
+                                unit="step", dynamic_ncols=True)
+            self.bar.n = state.step
+            loss = record.get("loss")
+            self.bar.set_postfix(loss="-" if loss is None else f"{loss:.4f}", np=self.world.size,
+                                 refresh=False)
+            self.bar.update(0)
+
+    def log(self, values: dict, step: int | None = None) -> None:
+        """Custom scalars from user code on any rank: one ``metric`` row each."""
+        now = time.time()
+        for name, value in values.items():
+            if torch.is_tensor(value):
+                value = value.item()
+            self.sink.emit({"type": "metric", "run_id": self.run_id, "name": name, "step": step,
+                            "value": float(value), "rank": self.world.rank, "host": self.world.host,
+                            "wall_time": now})
+
+    # -- commits and checkpoints ---------------------------------------------------------
+    def commit(self, state, reason: str, loss: float | None = None, checkpoint: bool = False) -> None:
+        """Commit, record what it cost, let the policy re-choose the interval."""
+        started = time.perf_counter()
+        detail = state.save() or {}
+        cost = time.perf_counter() - started
+        self.commits += 1
+        if detail.get("durable") and detail.get("path"):   # a fixed world commits to disk
+            self._mark_checkpoint()
+        self.events.record("commit", state.step, reason=reason, cost_s=cost, loss=loss,
+                           **detail, **self.audit(state))
+        interval = self.policy.observe_commit(state.step, cost)
+        if interval is not None and self.world.is_root:
+            p = self.policy
+            self.events.record("commit_interval", state.step, interval=interval,
+                               commit_cost_s=p.commit_cost_s, step_time_s=p.step_time_s,
+                               mtbf_s=p.mtbf_s(), failures=p.failures)
+        if checkpoint:
+            self.checkpoint(state)
+
+    def checkpoint(self, state) -> None:
+        """The durable copy. ``cost_s``: what training waited for; a write going on in the
+        background is recorded when it ends (``write_s``, ``bytes``), from the writer."""
+        started, step = time.perf_counter(), state.step
+        detail = state.write_checkpoint()
+        cost = time.perf_counter() - started
+        if isinstance(detail, Future):
+            recorded = threading.Event()
+            self.writing, self._recorded = detail, recorded
+            detail.add_done_callback(lambda done: self._written(step, cost, done, recorded))
+        elif detail is not None:
+            self._mark_checkpoint()
+            self.events.record("checkpoint", step, cost_s=cost, **detail)
+
+    def _written(self, step: int, cost: float, done: Future, recorded: threading.Event) -> None:
+        """A background write ended (called from the writer's thread)."""
+        try:
+            error = done.exception()
+            if error is not None:   # the previous checkpoint is still in place
+                self.events.record("checkpoint_failed", step, cost_s=cost,
+                                   error=f"{type(error).__name__}: {error}"[:2000])
+                return
+            self._mark_checkpoint()
+            self.events.record("checkpoint", step, cost_s=cost, **done.result())
+        finally:
+            recorded.set()
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until the background write (if any) is on disk and recorded: a future's
+        waiters wake before its callbacks run, so wait for the recording itself."""
+        if self.writing is not None:
+            self._recorded.wait()
+            self.writing = None
+
+    def _mark_checkpoint(self) -> None:
+        """Say which run the checkpoint folder belongs to (``train.resume = auto``)."""
+        (self.cfg.checkpoint_path.parent / RUN_ID_FILE).write_text(self.run_id)
+
+    def resumed(self, state, detail: dict | None) -> None:
+        """The state was loaded from the checkpoint folder (``train.resume``)."""
+        folder = self.cfg.checkpoint_path.parent
+        if detail is None:
+            raise CheckpointError(f"train.resume = {self.cfg.resume!r}, but {folder} holds no checkpoint")
+        if detail.get("run_id") not in (None, self.run_id):
+            raise CheckpointError(f"train.resume = {self.cfg.resume!r}, but the checkpoint in {folder} "
+                                  f"belongs to run {detail['run_id']!r}")
+        self.events.record("resume", state.step, **detail)
+
+    def audit(self, state) -> dict:
+        digest = state.audit_hash() if self.env.audit else None
+        if isinstance(digest, dict):
+            return digest
+        return {} if digest is None else {"param_hash": digest}
+
+    # -- what the state tells the runtime (state.py) ---------------------------------------
+    def new_world(self) -> None:
+        if self.recovery:
+            self.recovery.initialised()
+        if self.hvd is not None:
+            self.world = World.from_horovod(self.hvd, self.env.host, generation=self.entries)
+            self.events.rank = self.world.rank
+
+    def before_reset(self) -> None:
+        """Membership is about to change: lifelines must not call it a death."""
+        if self.recovery:
+            self.recovery.before_init()
+
+    def restored(self, state, failed_at: int) -> None:
+        self.policy.observe_failure()
+        self.events.record("restore", state.step, from_step=failed_at,
+                           steps_redone=failed_at - state.step, **self.audit(state))
+
+    def was_reset(self, state) -> None:
+        size = self.hvd.size() if self.hvd is not None else self.world.size
+        self.events.rank = self.hvd.rank() if self.hvd is not None else self.world.rank
+        self.events.record("reset", state.step, size_before=self.world.size, size_after=size,
+                           rank_before=self.world.rank)
+
+    def synced(self, state, cost: float, detail: dict | None = None) -> None:
+        self.events.record("sync", state.step, cost_s=cost, size=self.world.size,
+                           **(detail or {}), **self.audit(state))
+
+    # -- the end -------------------------------------------------------------------------
+    def finish(self, state) -> dict:
+        """The engine's result, written where launchers and tests look for it."""
+        self.wait_for_checkpoint()     # the final checkpoint is on disk before any result
+        mine, result = self.engine.finish(state)
+        folder = self.run_dir / "final"
+        folder.mkdir(exist_ok=True)
+        (folder / f"{self.world.host}-{self.world.slot}.json").write_text(json.dumps(mine))
+        if self.world.is_root:
+            (self.run_dir / "result.json").write_text(json.dumps(result, indent=1))
+            self.sink.emit(run_row(self.run_id, self.job, "finished", finished_at=time.time()))
+        self.events.record("finish", state.step, size=self.world.size, **result.get("metrics", {}))
+        return result if self.world.is_root else mine
+
+
+def train(engine, cfg, job: str, config: dict, env: Env | None = None,
+          callbacks: list | None = None) -> dict:
+    """Run ``engine`` to ``cfg.steps`` on whatever world the launcher made."""
+    runtime = Runtime(env or Env.read(), cfg, job, config, callbacks)
+    with runtime.running():
+        runtime.init(engine)
+        state = runtime.state = engine.build(runtime)
+        if runtime.recovery:   # a worker restarted in place resumes its predecessor's commit
+            runtime.recovery.adopt(state)
+        runtime.run(state)
+        return runtime.finish(state)
+
+

@@ -1,0 +1,97 @@
+"""Faults from outside a running job: start `regatta local` in the background, watch the
+event files its workers write, and SIGKILL chosen workers at whatever instant the test
+reaches (mid-step, mid-allreduce, mid-commit), not at a step boundary the victim chose."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from itertools import combinations
+from pathlib import Path
+
+import pytest
+
+from conftest import BIN, ROOT, kill_tree, outside_pid
+from elastic.runtime.events import read_events
+from elastic.runtime.shards import cover
+
+
+class LocalRun:
+    """A `regatta local` run in the background; use as a context manager (it always
+    ends the whole process tree)."""
+
+    def __init__(self, tmp: Path, *args: str, job_args=(), timeout: float = 300, env=None):
+        self.run_dir, self.report = tmp / "run", tmp / "report.json"
+        cmd = [str(BIN / "regatta"), "local", *args, "--run-dir", str(self.run_dir),
+               "--report", str(self.report), "--timeout", str(timeout - 20), "--", *job_args]
+        self.log = open(tmp / "local.log", "w")
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+                    "REGATTA_AUDIT": "1", **(env or {})}
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.deadline = time.monotonic() + timeout
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        kill_tree(self.proc.pid)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.log.close()
+
+    def events(self) -> list[dict]:
+        return read_events(self.run_dir) if (self.run_dir / "events").exists() else []
+
+    def wait_for(self, found, what: str):
+        """Poll the events until ``found(events)`` is truthy; its value."""
+        while True:
+            value = found(self.events())
+            if value:
+                return value
+            if self.proc.poll() is not None or time.monotonic() > self.deadline:
+                pytest.fail(f"{what}: not seen (exit {self.proc.poll()}); see {self.log.name}")
+            time.sleep(0.05)
+
+    def kill(self, hosts) -> float:
+        """SIGKILL the training process of every host in ``hosts``, back to back."""
+        pids = {}
+        for event in self.events():
+            if event["kind"] == "start":
+                pids[event["host"]] = event["pid"]
+        targets = [outside_pid(host, pids[host]) for host in hosts]   # found first: kills back to back
+        now = time.time()
+        for pid in targets:
+            os.kill(pid, signal.SIGKILL)
+        return now
+
+    def finish(self) -> dict:
+        try:
+            code = self.proc.wait(max(1.0, self.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"regatta local did not finish in time; see {self.log.name}")
+        assert code == 0, Path(self.log.name).read_text()[-4000:]
+        return json.loads(self.report.read_text())
+
+
+def held_at(events: list[dict], step: int) -> dict[str, list]:
+    """host -> the ranges its commit at ``step`` held (once every worker recorded it)."""
+    return {e["host"]: [tuple(r) for r in e["held"]] for e in events
+            if e["kind"] == "commit" and e["step"] == step}
+
+
+def pair_to_kill(held: dict[str, list], extent: int, leaves_a_copy: bool) -> tuple[str, str]:
+    """Two hosts whose loss leaves a copy of every piece (or, if not ``leaves_a_copy``,
+    leaves some piece with none)."""
+    def rest_covers(pair):
+        items = [{"rank": i, "step": 0, "extent": extent, "ranges": ranges}
+                 for i, (host, ranges) in enumerate(sorted(held.items())) if host not in pair]
+        return cover(items, 0) is not None
+
+    pairs = [p for p in combinations(sorted(held), 2) if rest_covers(p) == leaves_a_copy]
+    assert pairs, f"no pair of hosts fits (held: {held})"
+    return pairs[0]

@@ -1,0 +1,110 @@
+"""The overlapped, bucketed gradient reduction (elastic/dataparallel/reduce.py) over real
+Horovod ranks equals one process on the combined batch: uneven shares, 2 ranks (mpirun,
+Horovod's MPI operations) and 3 ranks (horovodrun, Gloo), accumulation, a parameter the
+last microstep leaves unused, a rank without samples, a rebuilt reducer; and float16 on
+the wire stays within its stated error."""
+import gc
+import weakref
+
+import pytest
+import torch
+
+from conftest import BIN, PYTHON, ROOT, mpirun, run
+from elastic.config import ConfigError, TrainConfig
+from elastic.dataparallel.buckets import plan_buckets
+from elastic.dataparallel.reduce import BucketReducer
+from elastic.runtime.collectives import Alone
+from elastic.runtime.control import Pending
+from workers.bucket_worker import CASES, reference
+
+WORKER = str(ROOT / "tests" / "workers" / "bucket_worker.py")
+EXACT = [case for case, spec in CASES.items() if spec.get("compression", "none") == "none"]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """What rank 0 got, per world size: 2 under mpirun, 3 under horovodrun with Gloo."""
+    tmp = tmp_path_factory.mktemp("buckets")
+    mpirun(2, PYTHON, WORKER, str(tmp / "two.pt"))
+    run([str(BIN / "horovodrun"), "--gloo", "-np", "3", "-H", "localhost:3", PYTHON, WORKER,
+         str(tmp / "three.pt")], timeout=180)
+    return {2: torch.load(tmp / "two.pt"), 3: torch.load(tmp / "three.pt")}
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {case: reference(case) for case in CASES}
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("case", EXACT)
+def test_bucketed_reduction_equals_one_process(ranks, references, size, case):
+    got = ranks[size]
+    assert got["size"] == size
+    for step, (mine, ref) in enumerate(zip(got["cases"][case], references[case], strict=True)):
+        assert mine["buckets"] >= 3
+        assert mine["count"] == ref["count"], step
+        assert mine["loss"] == pytest.approx(ref["loss"], rel=1e-6), step
+        assert mine["grads"].keys() == ref["grads"].keys()
+        for name, grad in ref["grads"].items():
+            torch.testing.assert_close(mine["grads"][name], grad, rtol=1e-5, atol=1e-6,
+                                       msg=f"{case} step {step} {name}")
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_fp16_on_the_wire_error_within_bound(ranks, references, size):
+    """Each rank's contribution and each partial sum round to float16 once (relative
+    2^-11 each), so the whole gradient's relative L2 error stays below size * 2^-11. The
+    error must also be there: the gradients really travelled as float16, in half the bytes."""
+    bound = size * 2.0 ** -11
+    for step, (mine, ref, exact) in enumerate(zip(ranks[size]["cases"]["fp16"], references["fp16"],
+                                                  ranks[size]["cases"]["plain"], strict=True)):
+        error = sum(float((mine["grads"][n] - g).pow(2).sum()) for n, g in ref["grads"].items()) ** 0.5
+        norm = sum(float(g.pow(2).sum()) for g in ref["grads"].values()) ** 0.5
+        print(f"size {size} step {step}: relative L2 error {error / norm:.2e} (bound {bound:.2e})")
+        assert 0 < error / norm < bound
+        assert mine["count"] == ref["count"] and mine["loss"] == pytest.approx(ref["loss"], rel=1e-6)
+        assert mine["nbytes"] < 0.55 * exact["nbytes"]
+
+
+def test_buckets_follow_backward_order_and_size():
+    params = [torch.zeros(n) for n in (10, 300, 20, 5, 700)]
+    assert plan_buckets(params, 1000) == [[4], [3, 2, 1], [0]]       # 2800 B, then 1300 B
+    assert plan_buckets(params, 4000) == [[4, 3, 2, 1], [0]]
+    assert plan_buckets(params, 0) == [[4], [3], [2], [1], [0]]
+    # near edge_bytes: the first bucket (sent early in backward), and the last (sent after it)
+    assert plan_buckets(params, 4000, edge_bytes=1000) == [[4], [3, 2], [1, 0]]
+    mixed = [torch.zeros(4), torch.zeros(4, dtype=torch.float64), torch.zeros(4)]
+    assert plan_buckets(mixed, 1 << 20) == [[2], [1], [0]]             # one dtype per bucket
+
+
+def test_one_process_divides_by_the_count_and_zero_fills():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    reducer = BucketReducer(list(model.parameters()), 0, 1, Alone())
+    reducer.before_backward(last=True)
+    model[1](torch.ones(4, 2)).sum().backward()      # model[0] gets no gradient
+    reduced = reducer.finish(Pending().control(6.0, 4, 0.5))
+    assert (reduced.agreed.loss, reduced.agreed.count) == (1.5, 4)
+    torch.testing.assert_close(model[1].weight.grad, torch.ones(1, 2))   # 4 ones / 4
+    assert torch.equal(model[0].weight.grad, torch.zeros(2, 3))
+
+
+def test_closed_reducer_leaves_no_hook_behind():
+    """The engine makes a reducer per world; the old one's hooks must not keep it (and
+    its buffers) alive, nor run on the next backward."""
+    model = torch.nn.Linear(3, 2)
+    reducer = BucketReducer(list(model.parameters()), 0, 2, Alone(), bucket_bytes=0)
+    ref = weakref.ref(reducer)
+    reducer.close()
+    del reducer
+    gc.collect()
+    assert ref() is None
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"bucket_mb": -1}, "train.bucket_mb must be >= 0, got -1"),
+    ({"compression": "bf16"}, "train.compression must be 'none' or 'fp16'"),
+])
+def test_bad_reduction_settings_are_named(values, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        TrainConfig(**values)

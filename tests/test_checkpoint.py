@@ -1,0 +1,70 @@
+"""Durable checkpoints on a real filesystem with a real writer thread: atomic background
+writes one at a time, the previous checkpoint kept, and a clear error naming a foreign or
+corrupt file (runtime/checkpoint.py). Whole jobs resuming are in test_state.py."""
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from elastic.runtime.checkpoint import CheckpointError, CheckpointWriter, load, previous_path
+
+FORMAT = "regatta-test/1"
+
+
+def payload(step: int, numel: int = 1000) -> dict:
+    return {"format": FORMAT, "step": step, "w": torch.full((numel,), float(step))}
+
+
+def digest(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_background_writes_keep_the_previous_checkpoint_and_never_overlap(tmp_path):
+    path, writer = tmp_path / "state.pt", CheckpointWriter()
+    first = writer.submit(lambda: payload(1, numel=20_000_000), path)      # 80 MB: takes a while
+    second = writer.submit(lambda: payload(2), path)
+    assert first.done()          # submit waited for the write in flight before the next
+    assert second.result(timeout=60)["waited_s"] > 0
+    assert first.result()["bytes"] > 80_000_000 and second.result()["bytes"] < 100_000
+    assert load(path, expect=FORMAT)["step"] == 2
+    assert load(previous_path(path), expect=FORMAT)["step"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.previous.pt", "state.pt"]
+
+
+def test_a_failed_write_leaves_the_checkpoint_in_force_untouched(tmp_path):
+    path, writer = tmp_path / "state.pt", CheckpointWriter()
+    writer.submit(lambda: payload(1), path).result(timeout=60)
+    before = digest(path)
+    failed = writer.submit(lambda: {**payload(2), "hook": lambda: None}, path)   # cannot pickle
+    with pytest.raises(Exception):
+        failed.result(timeout=60)
+    assert digest(path) == before and load(path, expect=FORMAT)["step"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["state.pt"]      # no temporary left behind
+
+
+def test_foreign_and_corrupt_files_are_refused_by_name(tmp_path):
+    path = tmp_path / "state.pt"
+    torch.save({"weights": torch.ones(3)}, path)                  # another program's file
+    with pytest.raises(CheckpointError, match=f"checkpoint {path} has format None, expected"):
+        load(path, expect=FORMAT)
+    path.write_text("not a checkpoint at all")
+    with pytest.raises(CheckpointError, match=f"checkpoint {path} is corrupt"):
+        load(path, expect=FORMAT)
+
+    writer = CheckpointWriter()
+    writer.submit(lambda: payload(1, numel=100_000), path).result(timeout=60)
+    writer.submit(lambda: payload(2, numel=100_000), path).result(timeout=60)
+    kept = digest(previous_path(path))
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF              # one flipped bit inside a tensor's bytes
+    path.write_bytes(data)
+    with pytest.raises(CheckpointError, match="CRC-32") as err:
+        load(path, expect=FORMAT)
+    assert str(path) in str(err.value) and str(previous_path(path)) in str(err.value)
+    path.write_bytes(data[:len(data) // 3])   # truncated
+    with pytest.raises(CheckpointError, match=f"checkpoint {path} is corrupt"):
+        load(path, expect=FORMAT)
+    assert digest(previous_path(path)) == kept
+    assert load(previous_path(path), expect=FORMAT)["step"] == 1

@@ -1,0 +1,44 @@
+"""Outside faults chained with +AFTER strike AFTER seconds after the one before them
+struck, however long finding a host's processes took."""
+import subprocess
+import sys
+import time
+
+from elastic.launch.inject import Injector, Workers
+from elastic.launch.plan import fault
+from elastic.runtime.events import EventLog
+
+
+class SlowToFind(Workers):
+    """Real processes, found as slowly as a busy machine's process table allows."""
+
+    def __init__(self, procs: dict, lookup_s: float) -> None:
+        super().__init__("test")
+        self.procs, self.lookup_s = procs, lookup_s
+
+    def pids(self, host, slot=None):
+        time.sleep(self.lookup_s)
+        return [(self.procs[host].pid, 0)]
+
+
+def test_a_chained_fault_strikes_after_the_one_before_it(tmp_path):
+    procs = {h: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+             for h in ("a", "b", "c")}
+    try:
+        injector = Injector([fault("sigkill", "a", 5), fault("sigkill", "b", 5, after=0.1),
+                             fault("sigkill", "c", 5, after=0.25)],
+                            SlowToFind(procs, lookup_s=0.15), None, EventLog(tmp_path, "launcher", 0))
+        injector.reached(4, 0.01)
+        assert injector.timers == []                      # not yet: step 5 is not reached
+        injector.reached(5, 0.01)
+        for proc in procs.values():
+            assert proc.wait(timeout=10) == -9
+        a, b, c = injector.struck
+        assert [e["target"] for e in (a, b, c)] == ["a", "b", "c"]
+        # each lookup took 0.15 s: from one arming timer, b would strike 0.05 s before a
+        assert 0.1 + 0.15 <= b["wall_time"] - a["wall_time"] < 0.1 + 0.15 + 0.2
+        assert 0.25 + 0.15 <= c["wall_time"] - b["wall_time"] < 0.25 + 0.15 + 0.2
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,84 @@
+"""Lifelines between real processes (light ones: the lifeline code only): every survivor
+learns of every death, stalls are not deaths and are recorded once, and the mesh stays
+sparse."""
+import math
+import signal
+import time
+
+import pytest
+
+from bench.bench_lifelines import LightCluster
+from elastic.lifeline import neighbours, watchers
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 8, 13, 64, 100, 512])
+def test_mesh_is_symmetric_sparse_and_connected(size):
+    links = {r: set(neighbours(r, size)) for r in range(size)}
+    for rank, peers in links.items():
+        assert rank not in peers
+        assert all(rank in links[p] for p in peers)            # one connection per pair
+        assert len(peers) <= 2 * max(1, math.ceil(math.log2(size)))
+        assert watchers(rank, size)[:1] == ([(rank - 1) % size] if size > 1 else [])
+        assert set(watchers(rank, size)) == peers              # whoever watches, reports
+    reached, frontier = {0}, [0]
+    while frontier:                                            # a death spreads to all
+        frontier = [p for r in frontier for p in links[r] if p not in reached]
+        reached |= set(frontier)
+    assert reached == set(range(size))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """16 light ranks, shared by the tests below (each leaves the others running)."""
+    cluster = LightCluster(16, stall_after=1.0)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def test_every_survivor_learns_of_a_kill_from_outside(cluster):
+    killed_at = cluster.kill(0)
+    seconds = cluster.detections(0, killed_at, survivors=15)
+    assert len(seconds) == 15 and max(seconds) < 3.0
+    told = {int(f[1]): f[3] for f in cluster.find("D", f2=0)}
+    saw_it = {r for r, how in told.items() if how == "eof"}
+    assert saw_it and saw_it <= set(neighbours(0, 16))       # only neighbours read the EOF
+    assert {how for r, how in told.items() if r not in neighbours(0, 16)} == {"told"}
+
+
+def test_two_deaths_at_once_reach_everyone(cluster):
+    first, second = cluster.kill(5), cluster.kill(9)
+    survivors = set(range(16)) - {0, 5, 9}
+    for victim, killed_at in ((5, first), (9, second)):
+        seconds = cluster.detections(victim, killed_at, survivors=13)
+        told = {int(f[1]) for f in cluster.find("D", f2=victim)}
+        # the other victim may have heard before it died
+        assert survivors <= told <= survivors | {5, 9} and max(seconds) < 3.0
+
+
+def test_stopped_ranks_are_stalls_recorded_once_not_deaths(cluster):
+    """SIGSTOP two neighbours at once: their kernels still answer, so no death; each
+    stall is recorded by exactly one rank, and its end by the same one."""
+    stopped = [3, 4]    # 4's first watcher is 3, itself stopped: the next one records it
+    for rank in stopped:
+        cluster.kill(rank, signal.SIGSTOP)
+    try:
+        assert cluster.wait_for(lambda: len(cluster.find("S", f2="stall")) >= 2, timeout=6)
+        time.sleep(1.5)    # room for a duplicate, if there were one
+    finally:
+        for rank in stopped:
+            cluster.kill(rank, signal.SIGCONT)
+    assert cluster.wait_for(lambda: len(cluster.find("S", f2="stall_cleared")) >= 2, timeout=6)
+    time.sleep(1.0)
+    stalls = {int(f[3]): int(f[1]) for f in cluster.find("S", f2="stall")}
+    cleared = {int(f[3]): int(f[1]) for f in cluster.find("S", f2="stall_cleared")}
+    assert len(cluster.find("S", f2="stall")) == 2 and stalls == {3: 2, 4: 2}
+    assert cleared == stalls
+    assert not [f for f in cluster.find("D") if int(f[2]) in stopped]
+
+
+def test_file_descriptors_stay_logarithmic(cluster):
+    assert max(cluster.peers) == len(neighbours(0, 16)) == 7
+    assert max(cluster.fd_counts()) <= 7 + 7   # lifelines; stdio, report pipe, epoll, wake pipe

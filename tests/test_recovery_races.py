@@ -1,0 +1,114 @@
+"""Failures during a recovery: a second SIGKILL 100-250 ms after the first, from outside,
+while the survivors re-form the world; and a second death at the worst instant, while Gloo
+connects the new world, which makes Gloo abort every survivor. The job recovers on whoever
+is left and finishes in seconds, never after Gloo's 30 s rendezvous timeout."""
+import json
+
+import pytest
+
+from conftest import BIN, kinds, run
+from elastic.launch import netns
+
+UNAVAILABLE = netns.available()
+pytestmark = pytest.mark.skipif(bool(UNAVAILABLE), reason=UNAVAILABLE)
+
+
+@pytest.fixture(scope="module")
+def double_kills(tmp_path_factory):
+    """5 hosts; two episodes of two kills each, the second during the first's recovery."""
+    tmp = tmp_path_factory.mktemp("races")
+    report = tmp / "report.json"
+    done = run([str(BIN / "regatta"), "local", "digits", "--hosts", "5", "--steps", "360",
+                "--commit-every", "10", "--sigkill", "2@60", "--sigkill", "3@60+0.1",
+                "--sigkill", "4@200", "--sigkill", "5@200+0.25", "--run-dir", str(tmp / "run"),
+                "--report", str(report), "--timeout", "280", "--seed", "7"],
+               timeout=300, env={"REGATTA_AUDIT": "1"}, check=False)
+    return done, json.loads(report.read_text()), (tmp / "run" / "horovodrun.log").read_text()
+
+
+def test_the_job_finishes_on_the_last_host(double_kills):
+    done, report, log = double_kills
+    assert done.returncode == 0 and report["exit_code"] == 0, log[-3000:]
+    assert (report["final_step"], report["final_world_size"]) == (360, 1)
+    assert "Wait timeout" not in log and "status code 134" not in log
+
+
+def test_each_double_failure_is_recovered_in_seconds(double_kills):
+    _, report, _ = double_kills
+    struck = [e for e in kinds(report, "fault_injected") if e["fault"] == "kill"]
+    assert [e["target"] for e in struck] == ["127.0.0.3", "127.0.0.4", "127.0.0.5", "127.0.0.6"]
+    for first, second in (struck[0:2], struck[2:4]):
+        assert 0.05 < second["wall_time"] - first["wall_time"] < 0.5      # during the recovery
+        resumed = [e for e in kinds(report, "resumed") if e["wall_time"] > second["wall_time"]]
+        assert resumed and resumed[0]["wall_time"] - first["wall_time"] < 10
+
+
+def test_the_survivor_continues_from_its_last_commit(double_kills):
+    """Whether it was restarted in place (its commit handed over) or not, the survivor
+    resumes exactly at a commit it made, with the same parameters."""
+    _, report, _ = double_kills
+    survivor = [e for e in report["events"] if e["host"] == "127.0.0.2"]
+    commits = {e["step"]: e["param_hash"] for e in survivor if e["kind"] == "commit"}
+    syncs = [e for e in survivor if e["kind"] == "sync"][1:]   # after the first
+    assert syncs and all(commits.get(e["step"]) == e["param_hash"] for e in syncs)
+    for restarted in [e for e in survivor if e["kind"] == "restart_in_place"]:
+        loaded = [e for e in survivor if e["kind"] == "handoff_loaded"
+                  and e["wall_time"] > restarted["wall_time"]]
+        assert loaded and loaded[0]["step"] in commits
+
+
+GLOO_ABORT = "terminate called after throwing an instance of 'gloo::IoException'"
+
+
+@pytest.fixture(scope="module")
+def killed_connecting(tmp_path_factory):
+    """5 hosts; host 2 dies at step 60, host 4 in the recovery, as Gloo connects it. The
+    instant is found by watching its sockets, a few ms apart: about one run in four the
+    survivors are all already past Gloo's initialisation (the ordinary path, covered
+    elsewhere), so the run is repeated, up to 4 times, until Gloo aborted some."""
+    for attempt in range(4):
+        tmp = tmp_path_factory.mktemp("connecting")
+        report = tmp / "report.json"
+        done = run([str(BIN / "regatta"), "local", "digits", "--hosts", "5", "--steps", "120",
+                    "--commit-every", "10", "--kill", "2@60", "--kill-connecting", "4@60",
+                    "--run-dir", str(tmp / "run"), "--report", str(report), "--timeout", "150"],
+                   timeout=170, env={"REGATTA_AUDIT": "1"}, check=False)
+        log = (tmp / "run" / "horovodrun.log").read_text()
+        if GLOO_ABORT in log or done.returncode != 0:
+            break
+    print("attempts", attempt + 1)
+    return done, json.loads(report.read_text()), log
+
+
+def test_survivors_aborted_by_gloo_are_replaced_with_their_commits(killed_connecting):
+    done, report, log = killed_connecting
+    assert done.returncode == 0 and report["exit_code"] == 0, log[-3000:]
+    assert (report["final_step"], report["final_world_size"]) == (120, 3)
+    # The second death came while survivors were in Horovod's first collectives: Gloo
+    # aborted them (the race this guards; one already past them just fails a collective),
+    # and none was counted failed for it: each was replaced with the commit it had.
+    aborted = log.count(GLOO_ABORT)
+    assert 1 <= aborted <= 3
+    assert "failure count" not in log and "Wait timeout" not in log
+    first, second = (e for e in kinds(report, "kill_injected"))
+    assert (first["host"], second["host"], second["connecting"]) == ("127.0.0.3", "127.0.0.5", True)
+    replaced = 0
+    for host in ("127.0.0.2", "127.0.0.4", "127.0.0.6"):
+        mine = [e for e in report["events"] if e["host"] == host]
+        commits = {e["step"]: e["param_hash"] for e in mine if e["kind"] == "commit"}
+        for loaded in [e for e in mine if e["kind"] == "handoff_loaded"]:
+            assert loaded["wall_time"] > second["wall_time"] and loaded["step"] == 60 in commits
+            replaced += 1
+        assert not [e for e in mine if e["kind"] == "restart_in_place"]   # aborted, not asked
+        # From the commits in memory, unless the two dead held both copies of a share
+        # (they were buddies: Horovod orders hosts its own way); then from the checkpoint.
+        (sync,) = [e for e in mine if e["kind"] == "sync" and e["wall_time"] > second["wall_time"]]
+        lost = [e for e in mine if e["kind"] == "state_lost"]
+        if sync["source"] == "memory":
+            assert sync["from_step"] == 60 and not lost
+        else:
+            assert (sync["source"], sync["from_step"]) == ("checkpoint", 50)
+            assert lost[0]["steps_held"] == [60]
+    assert replaced == aborted
+    resumed = [e for e in kinds(report, "resumed") if e["wall_time"] > second["wall_time"]]
+    assert resumed and resumed[0]["wall_time"] - first["wall_time"] < 10

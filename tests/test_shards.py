@@ -1,0 +1,148 @@
+"""The pieces of sharded commits that need no processes: placement, covering, the flat
+view of a state and a commit's shares reassembled bit for bit (runtime/shards.py,
+runtime/flat.py, dataparallel/snapshot.py). The real runs are in test_elastic.py and
+test_state.py."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from elastic.dataparallel.snapshot import take
+from elastic.runtime.flat import Flat, tree_digest
+from elastic.runtime.shards import buddies, cover, covering_step, kept_by, shares
+
+
+def test_buddies_are_a_permutation_onto_other_hosts():
+    assert buddies(["a", "b", "c"]) == [1, 2, 0]
+    assert buddies(["a", "a", "b", "b"]) == [2, 3, 0, 1]          # one extra piece each
+    assert buddies(["a", "b", "a", "b"]) == [1, 0, 3, 2]
+    assert buddies(["a", "a"]) == [1, 0]                          # one host: the next rank
+    assert buddies(["a"]) == [0]
+    for hosts in (list("aabbcc"), list("abcabc"), list("aaabbc"), list("abcd")):
+        b = buddies(hosts)
+        assert sorted(b) == list(range(len(hosts)))
+        assert all(hosts[r] != hosts[b[r]] for r in range(len(hosts))), hosts
+    assert kept_by([1, 2, 0], 1) == [1, 0] and kept_by([0], 0) == [0]
+
+
+def test_shares_cut_the_bytes_into_aligned_pieces():
+    assert shares(1000, 3) == [(0, 384), (384, 768), (768, 1000)]
+    assert shares(10, 4) == [(0, 10), (10, 10), (10, 10), (10, 10)]
+    assert shares(0, 2) == [(0, 0), (0, 0)]
+
+
+def held(rank, step, *ranges, extent=12):
+    return {"rank": rank, "step": step, "extent": extent, "ranges": list(ranges)}
+
+
+def test_cover_uses_buddy_copies_and_spots_gaps():
+    # 4 ranks, shares of 3 bytes; rank r keeps r and r - 1. Ranks 1 and 3 are gone:
+    # shares 1 and 3 survive only as buddy copies on ranks 2 and 0.
+    items = [held(0, 10, (0, 3), (9, 12)), held(2, 10, (6, 9), (3, 6))]
+    assert covering_step(items) == 10
+    assert [(p.owner, p.start, p.end) for p in cover(items, 10)] == [(0, 0, 3), (2, 3, 6), (2, 6, 9),
+                                                                     (0, 9, 12)]
+    # Ranks 1 and 2 gone: share 1 (bytes 3..6) had copies only there.
+    gap = [held(0, 10, (0, 3), (9, 12)), held(3, 10, (9, 12), (6, 9))]
+    assert cover(gap, 10) is None and covering_step(gap) is None
+    # An older commit that is whole wins over a newer one with a gap; pieces of two
+    # layouts of one commit combine.
+    gap.append(held(3, 5, (0, 12)))
+    assert covering_step(gap) == 5
+    mixed = [held(0, 7, (0, 6)), held(1, 7, (4, 12)), held(2, 7, (3, 9))]
+    assert [(p.owner, p.start, p.end, p.held) for p in cover(mixed, 7)] == \
+        [(0, 0, 6, (0, 6)), (1, 6, 12, (4, 12))]
+
+
+def state_tree():
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(4, 7)).sum().backward()
+    optimizer.step()
+    return {"objects": {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "flags": torch.tensor([True, False]), "empty": torch.empty(0, 2)},
+            "step": 11, "epoch": 2, "consumed": 40}
+
+
+def test_flat_ranges_round_trip_bit_for_bit():
+    tree = state_tree()
+    flat = Flat.of(tree)
+    assert flat.total == sum(t.numel() * t.element_size() for t in flat.tensors)
+    rng = random.Random(0)
+    for _ in range(30):      # arbitrary cuts, across tensor boundaries
+        cuts = sorted({0, flat.total, *(rng.randrange(flat.total) for _ in range(rng.randrange(1, 6)))})
+        fresh = Flat.empty(flat.skeleton)
+        for start, end in zip(cuts, cuts[1:]):
+            fresh.write(start, flat.read(start, end, torch.empty(end - start, dtype=torch.uint8)))
+        assert tree_digest(fresh.tree()) == tree_digest(tree)
+    fresh.tensors[0].view(-1)[0] += 1
+    assert tree_digest(fresh.tree()) != tree_digest(tree)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_any_covering_set_of_commit_shares_rebuilds_the_state(size):
+    tree = state_tree()
+    flat = Flat.of(tree)
+    ring = buddies([f"h{r}" for r in range(size)])
+    pieces = shares(flat.total, size)
+    commits = {r: take(flat, 11, [pieces[k] for k in kept_by(ring, r)], None) for r in range(size)}
+    assert all(c.held_bytes <= 2 * -(-flat.total // size) + 128 for c in commits.values())
+    lost = {1, 3} if size == 4 else {1}     # two at once where every share still has a copy
+    items = [{"rank": r, **c.summary()} for r, c in commits.items() if r not in lost]
+    parts = cover(items, 11)
+    rebuilt = Flat.empty(commits[0].skeleton)
+    for part in parts:
+        rebuilt.write(part.start, commits[part.owner].piece(part.held, part.start, part.end))
+    assert tree_digest(rebuilt.tree()) == tree_digest(tree)
+    # Committing again into the same buffers: written in place, the new values inside.
+    tree["objects"]["model"]["0.weight"].add_(1)
+    again = take(Flat.of(tree), 12, list(commits[0].held), commits[0])
+    assert all(again.held[r].data_ptr() == commits[0].held[r].data_ptr() for r in again.held)
+
+
+def test_a_survivor_receives_straight_into_its_live_tensors():
+    tree = state_tree()
+    source = Flat.of(tree)
+    torch.manual_seed(4)     # another replica of the same shapes, other values
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    assert Flat.of({"objects": {"model": model.state_dict(), "optimizer": optimizer.state_dict()}}) \
+        .into(source.skeleton) is None          # no Adam moments yet: a new worker's layout
+    model(torch.randn(4, 7)).sum().backward()
+    optimizer.step()
+    live = {"objects": {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "flags": torch.tensor([False, True]), "empty": torch.empty(0, 2)},
+            "step": 3, "epoch": 0, "consumed": 8}
+    target = Flat.of(live).into(source.skeleton)
+    weight = model[0].weight
+    target.write(0, source.read(0, source.total, torch.empty(source.total, dtype=torch.uint8)))
+    restored = target.tree()
+    model.load_state_dict(restored["objects"]["model"])
+    optimizer.load_state_dict(restored["objects"]["optimizer"])
+    assert model[0].weight is weight and torch.equal(weight, tree["objects"]["model"]["0.weight"])
+    assert tree_digest({"model": model.state_dict(), "optimizer": optimizer.state_dict()}) == \
+        tree_digest({k: tree["objects"][k] for k in ("model", "optimizer")})
+    assert restored["step"] == 11
+
+
+def test_a_commit_handed_over_in_a_file_comes_back_identical(tmp_path):
+    """A worker replaced in place leaves its shares to its successor in a file that loads
+    with weights_only (slots as plain tuples)."""
+    import torch
+    from elastic.dataparallel import snapshot
+    from elastic.runtime.flat import Flat
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    flat = Flat.of({"objects": {"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+                    "step": 5, "epoch": 1, "consumed": 7})
+    commit = snapshot.take(flat, 5, [(0, 64), (64, flat.total)], None)
+    snapshot.save_commit(commit, tmp_path / "handoff.pt")
+    back = snapshot.load_commit(tmp_path / "handoff.pt")
+    assert (back.step, back.total, back.skeleton) == (5, flat.total, commit.skeleton)
+    assert list(back.held) == [(0, 64), (64, flat.total)]
+    assert all(torch.equal(back.held[key], commit.held[key]) for key in commit.held)
