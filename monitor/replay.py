@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from monitor.queued import NotYet, Rejected
-from monitor.spool import decode_lines, default_spool_dir, forget_destination, spool_tag, try_lock
+from monitor.spool import claim, decode_lines, default_spool_dir, forget_destination, spool_tag
 
 log = logging.getLogger("regatta.monitor.replay")
 BATCH = 500
@@ -95,11 +95,9 @@ def _replay_files(files: list[str], send: Callable, report: ReplayReport) -> Non
     handles = {}
     try:
         for path in files:
-            fh = open(path, "rb")
-            if try_lock(fh):
+            fh = claim(path)
+            if fh is not None:   # else a live producer's: it will deliver them itself
                 handles[path] = fh
-            else:
-                fh.close()   # a live producer's: it will deliver them itself
         pending = {path: decode_lines(fh.read().splitlines(), path) for path, fh in handles.items()}
         for path in pending:
             pending[path].sort(key=lambda r: not (isinstance(r, dict) and r.get("type") == "run"))

@@ -16,6 +16,7 @@ rank sent it) wait in the spool and are sent again.
 from __future__ import annotations
 
 import json
+import os
 import urllib.error
 import urllib.request
 from typing import Optional
@@ -39,7 +40,9 @@ def destination_of(db: Optional[str] = None, ingest: Optional[str] = None) -> st
     """The name a sink's spool files are filed under (monitor.replay reads it back)."""
     if ingest:
         return ingest.rstrip("/") + "/api/v1/ingest"
-    return f"sqlite:{db}" if "://" not in db else db
+    # Absolute: two checkouts' ``runs/regatta.db`` are different stores and must not
+    # adopt each other's rows.
+    return f"sqlite:{os.path.abspath(db)}" if "://" not in db else db
 
 
 def store_rows(store: Store, rows: list[dict]) -> None:

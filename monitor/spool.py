@@ -2,7 +2,10 @@
 
 Rows are appended at the end and replayed from the front. The read position is kept in
 memory only: after a crash the next owner replays the whole file, and the rows' uids
-make the repeats harmless. The file is truncated once everything in it was delivered.
+make the repeats harmless. The file is truncated once everything in it was delivered, and
+rewritten without its delivered front once that front is half of it: rows that wait for
+their run row go round to the back on every replay, and without the rewrite a spool that
+waits for hours grows by all of them each time (and whoever adopts it reads it all).
 
 A live owner holds an exclusive ``flock`` on its spool, so another process can tell a
 spool left behind by a dead producer (lock free) from a live one and adopt its rows.
@@ -20,6 +23,8 @@ import threading
 
 log = logging.getLogger("regatta.monitor.spool")
 
+COMPACT_MIN = 64 << 10   # a delivered front smaller than this is not worth a rewrite
+
 
 def try_lock(fh) -> bool:
     """Take the exclusive lock without waiting; False if another owner holds it."""
@@ -28,6 +33,19 @@ def try_lock(fh) -> bool:
         return True
     except BlockingIOError:
         return False
+
+
+def claim(path: str):
+    """A dead producer's spool, opened and locked, or None while its owner lives (or when
+    the file under that name changed while we locked: a live owner rewrote it)."""
+    try:
+        fh = open(path, "rb")
+    except FileNotFoundError:
+        return None
+    if try_lock(fh) and os.path.exists(path) and os.stat(path).st_ino == os.fstat(fh.fileno()).st_ino:
+        return fh
+    fh.close()
+    return None
 
 
 def _encode(rows: list[dict]) -> bytes:
@@ -55,6 +73,8 @@ class Spool:
         if not try_lock(self._fh):
             self._fh.close()
             raise RuntimeError(f"spool {path} is owned by another live process")
+        if os.path.exists(self._compacting):   # a rewrite cut short: the original is whole
+            os.unlink(self._compacting)
         self._fh.seek(0)
         data = self._fh.read()
         if data and not data.endswith(b"\n"):
@@ -108,10 +128,40 @@ class Spool:
         with self._mutex:
             self._pending -= n_lines
             self._offset = end
-            if self._offset >= os.fstat(self._fh.fileno()).st_size:
+            size = os.fstat(self._fh.fileno()).st_size
+            if self._offset >= size:
                 self._fh.truncate(0)  # all delivered: nothing can be lost by emptying it
                 self._offset = 0
                 self._pending = 0
+            elif self._offset >= max(COMPACT_MIN, size // 2):
+                self._compact()
+
+    @property
+    def _compacting(self) -> str:
+        return self.path + ".compacting"   # not matched by adopters' ``*.jsonl`` patterns
+
+    def _compact(self) -> None:
+        """Replace the file by its undelivered rows (mutex held). The copy is locked before
+        it takes the file's name, so no adopter can take it; a crash before the rename
+        leaves the original whole."""
+        new = open(self._compacting, "a+b")   # appending, as the file it replaces
+        try:
+            try_lock(new)
+            new.truncate(0)
+            fd, pos = self._fh.fileno(), self._offset
+            while chunk := os.pread(fd, 1 << 20, pos):
+                new.write(chunk)
+                pos += len(chunk)
+            new.flush()
+            os.replace(self._compacting, self.path)
+        except OSError as exc:   # a full disk: keep the longer file, it is still correct
+            new.close()
+            if os.path.exists(self._compacting):
+                os.unlink(self._compacting)
+            log.warning("spool %s: cannot rewrite without its delivered rows: %s", self.path, exc)
+            return
+        self._fh.close()   # the replaced file; its lock goes with it, ``new`` holds its own
+        self._fh, self._offset = new, 0
 
     def adopt(self, pattern: str) -> int:
         """Move rows of dead producers' spools (glob ``pattern`` in this spool's folder)
@@ -123,9 +173,8 @@ class Spool:
             for other in sorted(glob.glob(os.path.join(folder, pattern))):
                 if os.path.abspath(other) == os.path.abspath(self.path):
                     continue
-                fh = open(other, "rb")
-                if not try_lock(fh):
-                    fh.close()
+                fh = claim(other)
+                if fh is None:
                     continue  # its producer is alive
                 taken.append((other, fh))
                 rows += decode_lines(fh.read().splitlines(), other)

@@ -155,6 +155,43 @@ def test_orphaned_spool_is_adopted(tmp_path):
     assert Store(db).count("step") == 5
 
 
+def test_rows_waiting_for_their_run_row_do_not_grow_the_spool(tmp_path):
+    """Steps of a run whose run row is not stored yet go round to the back of the spool on
+    every replay (about 40 replays here); the file stays about their size instead of
+    growing by all of them each time, and they are delivered once the run row arrives."""
+    db, spool_dir = str(tmp_path / "m.db"), tmp_path / "spool"
+    new_store(db).close()
+    config = SinkConfig(batch_size=100, flush_interval=0.02, retry_min=0.02, retry_max=0.05)
+    rows = [dict(step_row(0, s), run_id="late") for s in range(1000)]
+    with SQLiteSink(db, spool_dir=str(spool_dir), config=config) as sink:
+        for row in rows:
+            sink.emit(row)
+        assert sink.flush(timeout=30)
+        one_copy = os.path.getsize(sink._spool.path)
+        assert sink.spooled == 1000 and one_copy > 100_000
+        sizes = []
+        for _ in range(20):
+            time.sleep(0.1)
+            sizes.append(os.path.getsize(sink._spool.path))
+        assert sink.failures >= 20 and sink.spooled == 1000
+        assert max(sizes) < 2.5 * one_copy, (one_copy, sizes)   # was +1 copy per replay
+        Store(db).write_rows([dict(RUN, id="late")])
+        deadline = time.monotonic() + 20
+        while sink.spooled and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sink.spooled == 0
+    assert Store(db).count("step") == 1000
+    assert not list(spool_dir.glob("*.jsonl*"))
+
+
+def test_sqlite_destinations_are_absolute(tmp_path, monkeypatch):
+    """Two checkouts' relative ``runs/regatta.db`` are two stores: their spools differ."""
+    from monitor.sink import destination_of
+    monkeypatch.chdir(tmp_path)
+    assert destination_of(db="runs/regatta.db") == f"sqlite:{tmp_path}/runs/regatta.db"
+    assert destination_of(db="postgresql://h/db") == "postgresql://h/db"
+
+
 def test_make_sink_picks_the_implementation(tmp_path):
     spool = str(tmp_path / "spool")
     assert isinstance(make_sink(), NullSink)
