@@ -31,7 +31,13 @@ HEARTBEAT_S = 0.25
 USER_TIMEOUT_S = 1.5   # heartbeats unacknowledged this long: the peer is gone (a stopped
                        # process's kernel would have acknowledged them)
 CONNECT_TIMEOUT_S = 30.0
+GIVE_UP_POLL_S = 0.05   # how often a rank waiting for a peer's lifeline asks whether to stop
 TCP_USER_TIMEOUT = getattr(socket, "TCP_USER_TIMEOUT", 18)
+
+
+class BuildFailed(ConnectionError):
+    """A peer died, or never came, while the lifelines were being built: the world they
+    were for is gone too (the owner turns this into its framework's recoverable error)."""
 
 
 def neighbours(rank: int, size: int) -> list[int]:
@@ -63,12 +69,14 @@ class Lifeline:
 
     ``on_death(rank, host, how, when)`` is called once per dead rank (how: ``eof``,
     ``timeout`` or ``told`` when a neighbour spread the news); ``on_stall(kind, rank,
-    host, **detail)`` once per stall and its end, by exactly one rank.
+    host, **detail)`` once per stall and its end, by exactly one rank. Building raises
+    :class:`BuildFailed` when a peer cannot be reached, or when ``given_up()`` (asked while
+    waiting for a peer to dial) says a member of this world is known dead.
     """
 
     def __init__(self, rank: int, size: int, host: str, address: str, allgather,
                  heartbeat: Heartbeat, on_death, on_stall=None, stall_after: float = 5.0,
-                 user_timeout_s: float = USER_TIMEOUT_S) -> None:
+                 user_timeout_s: float = USER_TIMEOUT_S, given_up=lambda: False) -> None:
         self.rank, self.size, self.heartbeat = rank, size, heartbeat
         self.on_death, self.on_stall = on_death, on_stall
         self.watch = StallWatch(stall_after)
@@ -86,25 +94,62 @@ class Lifeline:
         listener = socket.create_server((address, 0), backlog=max(size, 16))
         everyone = allgather((address, listener.getsockname()[1], host), "regatta.lifeline")
         self.hosts = [entry[2] for entry in everyone]
-        self._connect(listener, everyone, user_timeout_s)
+        try:
+            self._connect(listener, everyone, given_up)
+        except BaseException:
+            for sock in [listener, *self.peers]:
+                sock.close()
+            self._selector.close()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            raise
+        self._listen(user_timeout_s)
         self._thread = threading.Thread(target=self._watch, name="regatta-lifeline", daemon=True)
         self._thread.start()
 
-    def _connect(self, listener: socket.socket, everyone: list, user_timeout_s: float) -> None:
+    def _connect(self, listener: socket.socket, everyone: list, given_up) -> None:
         """The lower rank of each pair dials, the higher accepts; a 4-byte hello says who."""
         mine = neighbours(self.rank, self.size)
         deadline = time.monotonic() + CONNECT_TIMEOUT_S
         for peer in (p for p in mine if p > self.rank):
             address, port, _ = everyone[peer]
-            sock = socket.create_connection((address, port), timeout=CONNECT_TIMEOUT_S)
-            sock.sendall(self.rank.to_bytes(4, "big"))
-            self.peers[sock] = peer
+            try:
+                sock = socket.create_connection((address, port), timeout=CONNECT_TIMEOUT_S)
+                self.peers[sock] = peer
+                sock.sendall(self.rank.to_bytes(4, "big"))
+            except OSError as err:
+                raise BuildFailed(f"rank {self.rank} cannot reach rank {peer}'s lifeline at "
+                                  f"{address}:{port}: {err}") from None
         for _ in (p for p in mine if p < self.rank):
-            listener.settimeout(max(0.1, deadline - time.monotonic()))
-            sock, _ = listener.accept()
-            sock.settimeout(max(0.1, deadline - time.monotonic()))
-            self.peers[sock] = int.from_bytes(sock.recv(4, socket.MSG_WAITALL), "big")
+            sock = self._accept(listener, deadline, given_up)
+            self.peers[sock] = -1
+            try:
+                sock.settimeout(max(0.1, deadline - time.monotonic()))
+                hello = sock.recv(4, socket.MSG_WAITALL)
+            except OSError as err:
+                raise BuildFailed(f"rank {self.rank}: a peer's lifeline hello failed: {err}") from None
+            if len(hello) != 4:
+                raise BuildFailed(f"rank {self.rank}: a peer closed its lifeline before saying who")
+            self.peers[sock] = int.from_bytes(hello, "big")
         listener.close()
+
+    def _accept(self, listener: socket.socket, deadline: float, given_up) -> socket.socket:
+        """The next peer's connection. Waiting for one that died after the address exchange
+        would last the whole timeout: between short waits, ask whether to give up."""
+        while True:
+            listener.settimeout(max(0.01, min(GIVE_UP_POLL_S, deadline - time.monotonic())))
+            try:
+                return listener.accept()[0]
+            except TimeoutError:
+                pass
+            if given_up():
+                raise BuildFailed(f"rank {self.rank}: a member of this world died while "
+                                  "the lifelines were being built")
+            if time.monotonic() >= deadline:
+                raise BuildFailed(f"rank {self.rank}: peers did not dial its lifeline "
+                                  f"within {CONNECT_TIMEOUT_S:.0f} s")
+
+    def _listen(self, user_timeout_s: float) -> None:
         now = time.time()
         self._selector.register(self._wake_r, selectors.EVENT_READ)
         for sock, peer in self.peers.items():

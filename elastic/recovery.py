@@ -34,7 +34,7 @@ import psutil
 
 from . import restart
 from .faults import FaultPlan
-from .lifeline import Lifeline
+from .lifeline import BuildFailed, Lifeline
 from .liveness import Heartbeat
 
 
@@ -183,9 +183,18 @@ class FastRecovery:
             self.lifeline = None
         self.gloo = self.baseline.gloo_connections(exclude_fds=set())
         self._last_size = world.size
-        self.lifeline = Lifeline(world.rank, world.size, world.host, host_address(world.host),
-                                 allgather, self.heartbeat, self._on_death, self._on_stall,
-                                 self.stall_after)
+        server = restart.rendezvous_server()
+        try:
+            self.lifeline = Lifeline(world.rank, world.size, world.host, host_address(world.host),
+                                     allgather, self.heartbeat, self._on_death, self._on_stall,
+                                     self.stall_after, given_up=lambda: restart.marked(server))
+        except BuildFailed as err:
+            # A death in this world (its agent marked it) or a peer that never dialled:
+            # recover as from a failed collective, not end this healthy worker (its host
+            # would be counted failed).
+            from horovod.common.exceptions import HorovodInternalError
+            self.events.record("lifeline_failed", self.heartbeat.step, error=str(err))
+            raise HorovodInternalError(str(err)) from None
         self._armed = True
         self.events.record("lifeline", None, peers=len(self.lifeline.peers),
                            gloo_sockets=len(self.gloo))
@@ -257,6 +266,14 @@ class FastRecovery:
                 since = max(self._death_seen_at, assigned_at)
                 if self._death_seen_at and time.time() - since > RENDEZVOUS_GRACE_S:
                     self._restart_in_place("the rendezvous stalled after a peer died")
+
+    def init_failed(self) -> None:
+        """``hvd.init`` failed while the world re-formed: Gloo's connections to a member
+        that died in the meantime broke (``Read error``). Like a rank that saw the restart
+        mark, be replaced with the hand-off, rather than end and have this healthy host
+        counted failed; returns only when there is no agent or no hand-off to do it with."""
+        if self._forming:
+            self._restart_in_place("Horovod's initialisation failed while the world re-formed")
 
     def _can_be_replaced(self) -> bool:
         """Whether a fresh worker could take this one's place with nothing lost: there is

@@ -55,6 +55,7 @@ KINDS: dict[str, EventKind] = {k.name: k for k in (
     EventKind("commit_interval", NONE, "commit interval", _CYAN),
     EventKind("calibration", NONE, "calibration", _GREY),
     EventKind("lifeline", NONE, "lifelines", _GREY),
+    EventKind("lifeline_failed", NONE, "lifelines failed", _RED),   # a death while they were built
     EventKind("start", NONE, "start", _GREY),
     EventKind("ready", NONE, "ready", _GREY),
     EventKind("resume", NONE, "resumed from checkpoint", _CYAN),

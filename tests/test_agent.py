@@ -22,9 +22,10 @@ def agent():
     kill_tree(proc.pid)
 
 
-def shim(host, run_dir, extra_env=None, **kwargs):
+def shim(host, run_dir=None, extra_env=None, job=JOB, args=(), **kwargs):
     env = {"HOROVOD_HOSTNAME": host, "PATH": "/usr/bin:/bin", **(extra_env or {})}
-    return subprocess.Popen([PYTHON, "-m", "elastic.launch.shim", *JOB, "--run-dir", str(run_dir)],
+    where = ["--run-dir", str(run_dir)] if run_dir else []
+    return subprocess.Popen([PYTHON, "-m", "elastic.launch.shim", *job, *where, *args],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, **kwargs)
 
@@ -47,6 +48,26 @@ def test_killed_worker_is_reported_as_killed(agent, tmp_path):
     plan = '{"kill": [{"host": "%s", "step": 5}]}' % agent
     proc = shim(agent, tmp_path, {"REGATTA_FAULTS": plan})
     assert proc.wait(timeout=120) == -signal.SIGKILL
+
+
+ABORTS = str(ROOT / "tests" / "workers" / "abort_worker.py")
+
+
+def test_worker_aborted_while_re_forming_is_replaced_with_its_handoff(agent):
+    """Gloo aborts a survivor for a peer's death while the world re-forms: its agent forks
+    a replacement given its hand-off; horovodrun sees one worker that exited 0."""
+    proc = shim(agent, job=(ABORTS,), args=("--handoff",))
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    handed = out.split("handoff out at ")[1].split()[0]
+    assert f"replacement of {handed} slot 1" in out
+
+
+def test_worker_aborted_while_training_is_reported_as_aborted(agent):
+    """Without a hand-off out, an abort is a death like any other: not replaced."""
+    proc = shim(agent, job=(ABORTS,))
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGABRT and "replacement" not in out, out
 
 
 def test_sigterm_to_the_shim_reaches_the_worker(agent, tmp_path):

@@ -82,3 +82,52 @@ def test_stopped_ranks_are_stalls_recorded_once_not_deaths(cluster):
 def test_file_descriptors_stay_logarithmic(cluster):
     assert max(cluster.peers) == len(neighbours(0, 16)) == 7
     assert max(cluster.fd_counts()) <= 7 + 7   # lifelines; stdio, report pipe, epoll, wake pipe
+
+
+def test_a_death_while_the_lifelines_are_built_fails_the_build_at_once():
+    """Rank 1 of 3 dies right after the address exchange (its kernel closes its listener):
+    rank 0, dialling it, is refused; rank 2, waiting for its call, gives up as soon as
+    ``given_up`` says a member died (the agent's mark), not after the 30 s connect timeout.
+    Both raise BuildFailed and leave no descriptor open."""
+    import os
+    import socket
+    import threading
+
+    from elastic.lifeline import BuildFailed, Lifeline
+    from elastic.liveness import Heartbeat
+
+    addresses, exchanged = [None] * 3, threading.Barrier(3, timeout=10)
+    marked, outcome = threading.Event(), {}
+
+    def allgather_as(rank):
+        def allgather(mine, _name):
+            addresses[rank] = mine
+            exchanged.wait()
+            return list(addresses)
+        return allgather
+
+    def live(rank):
+        started = time.monotonic()
+        try:
+            Lifeline(rank, 3, f"h{rank}", "127.0.0.1", allgather_as(rank), Heartbeat(),
+                     lambda *_: None, given_up=marked.is_set)
+            outcome[rank] = ("built", time.monotonic() - started)
+        except BuildFailed as err:
+            outcome[rank] = (str(err), time.monotonic() - started)
+
+    fds_before = len(os.listdir("/proc/self/fd"))
+    threads = [threading.Thread(target=live, args=(r,)) for r in (0, 2)]
+    for thread in threads:
+        thread.start()
+    doomed = socket.create_server(("127.0.0.1", 0))
+    allgather_as(1)(("127.0.0.1", doomed.getsockname()[1], "h1"), "x")
+    doomed.close()                       # rank 1 dies
+    time.sleep(0.5)
+    died_at = time.monotonic()
+    marked.set()                         # ...and its agent marks the rendezvous
+    for thread in threads:
+        thread.join(timeout=10)
+    assert "cannot reach rank 1" in outcome[0][0] and outcome[0][1] < 2
+    assert "died while the lifelines were being built" in outcome[2][0]
+    assert time.monotonic() - died_at < 1.0 and 0.4 < outcome[2][1] < 2
+    assert len(os.listdir("/proc/self/fd")) == fds_before

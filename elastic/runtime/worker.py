@@ -136,7 +136,12 @@ class Runtime:
         """Train until ``train.steps``, surviving resets under horovodrun elastic."""
         self.events.record("ready", state.step)
         if self.env.elastic:
-            self.hvd.elastic.run(self.loop)(state)
+            try:
+                self.hvd.elastic.run(self.loop)(state)
+            except ValueError:   # hvd.init's "initialization failed" (it has no type of its own)
+                if self.recovery and not self.hvd.is_initialized():
+                    self.recovery.init_failed()   # replaced with its hand-off: does not return
+                raise
         else:
             state.sync()
             self.loop(state)
