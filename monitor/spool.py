@@ -42,8 +42,11 @@ def claim(path: str):
         fh = open(path, "rb")
     except FileNotFoundError:
         return None
-    if try_lock(fh) and os.path.exists(path) and os.stat(path).st_ino == os.fstat(fh.fileno()).st_ino:
-        return fh
+    try:
+        if try_lock(fh) and os.stat(path).st_ino == os.fstat(fh.fileno()).st_ino:
+            return fh
+    except FileNotFoundError:   # removed while we locked: delivered, or rewritten away
+        pass
     fh.close()
     return None
 

@@ -184,6 +184,28 @@ def test_rows_waiting_for_their_run_row_do_not_grow_the_spool(tmp_path):
     assert not list(spool_dir.glob("*.jsonl*"))
 
 
+def test_a_rewritten_spool_keeps_its_rows_and_its_lock(tmp_path):
+    """The rewrite drops only delivered rows, and the file under the spool's name stays
+    locked by its owner throughout: no adopter can take a live spool's rows."""
+    from monitor.spool import claim
+    path = str(tmp_path / "t.p1.jsonl")
+    spool = Spool(path)
+    spool.append([dict(step_row(0, s), uid=f"u{s}") for s in range(2000)])
+    for _ in range(3):
+        rows, token = spool.peek(500)
+        spool.consume(token)
+    assert not os.path.exists(path + ".compacting")
+    assert os.path.getsize(path) < 0.3 * 2000 * len(json.dumps(rows[0]))   # rewritten
+    assert claim(path) is None                 # still the owner's
+    spool.append([dict(step_row(0, 2000), uid="u2000")])
+    rows, _ = spool.peek(1000)
+    assert [r["uid"] for r in rows] == [f"u{s}" for s in range(1500, 2001)]
+    spool.close()                              # undelivered rows stay for an adopter
+    fh = claim(path)
+    assert fh is not None and len(fh.read().splitlines()) == 501
+    fh.close()
+
+
 def test_sqlite_destinations_are_absolute(tmp_path, monkeypatch):
     """Two checkouts' relative ``runs/regatta.db`` are two stores: their spools differ."""
     from monitor.sink import destination_of
