@@ -207,10 +207,10 @@ def test_a_rewritten_spool_keeps_its_rows_and_its_lock(tmp_path):
 
 
 def test_sqlite_destinations_are_absolute(tmp_path, monkeypatch):
-    """Two checkouts' relative ``runs/regatta.db`` are two stores: their spools differ."""
+    """Two checkouts' relative ``runs/team.db`` are two stores: their spools differ."""
     from monitor.sink import destination_of
     monkeypatch.chdir(tmp_path)
-    assert destination_of(db="runs/regatta.db") == f"sqlite:{tmp_path}/runs/regatta.db"
+    assert destination_of(db="runs/team.db") == f"sqlite:{tmp_path}/runs/team.db"
     assert destination_of(db="postgresql://h/db") == "postgresql://h/db"
 
 

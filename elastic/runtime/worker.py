@@ -34,7 +34,6 @@ from .reporting import HostSampler, StepReporter, memcpy_bandwidth
 from .runs import RUN_ID_FILE, code_revision, launcher_name, new_run_id, open_sink, resumed_run_id, run_row
 from .world import World, share_cores
 
-
 _current: "Runtime | None" = None   # the runtime of the training running in this process
 
 
