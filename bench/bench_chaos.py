@@ -1,7 +1,7 @@
 """Chaos: minutes of faults from outside the training processes, at random instants, for
 Regatta and for a stock Horovod elastic loop alike, on simulated hosts in namespaces.
 
-    .venv/bin/python bench/bench_chaos.py [--minutes 3] [--every 20] [--hosts 4] [--seed 0]
+    .venv/bin/python bench/bench_chaos.py [--minutes 3] [--every 20] [--hosts 4] [--seed 0] [--keep DIR]
 
 Faults, one every EVERY seconds on average, of these kinds in turn (random order): a
 SIGKILL of a training process (any rank), of rank 0's, two kills 50-300 ms apart, a kill
@@ -149,11 +149,12 @@ def main() -> None:
     parser.add_argument("--hosts", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engines", default="regatta,stock")
+    parser.add_argument("--keep", metavar="DIR", help="keep the runs (reports, logs) in DIR")
     args = parser.parse_args()
     print(f"load average before: {open('/proc/loadavg').read().strip()}", flush=True)
     engines = args.engines.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
+        work = Path(args.keep or tmp)
         quiet = {e: launch(e, ["--hosts", str(args.hosts), "--steps", "600"], work / f"calm-{e}", 900)
                  for e in engines}
         rates = {e: (lambda s, t: s / t)(*pace(r)) for e, r in quiet.items()}
