@@ -151,11 +151,16 @@ class LightCluster:
         os.kill(self.pids[rank], signum)
         return now
 
-    def detections(self, victim: int, killed_at: float, survivors: int,
+    def detections(self, victim: int, killed_at: float, survivors: set[int],
                    timeout: float = 10.0) -> list[float]:
-        """Seconds from the kill until each survivor learned of it."""
-        self.wait_for(lambda: len(self.find("D", f2=victim)) >= survivors, timeout)
-        return [float(f[4]) - killed_at for f in self.find("D", f2=victim)]
+        """Seconds from the kill until each survivor learned of it. Waits for these ranks
+        by name, not for a count: another victim's report, sent before it died, would
+        make a count come true while a survivor has not heard yet."""
+        def told() -> set[int]:
+            return {int(f[1]) for f in self.find("D", f2=victim)}
+        self.wait_for(lambda: survivors <= told(), timeout)
+        return [float(f[4]) - killed_at for f in self.find("D", f2=victim)
+                if int(f[1]) in survivors]
 
     def fd_counts(self) -> list[int]:
         counts = []
@@ -197,10 +202,10 @@ def measure(size: int, kills: int, rng: random.Random) -> dict:
         victims = [0] + rng.sample(range(1, size), kills - 1)
         for done, victim in enumerate(victims, 1):
             killed_at = cluster.kill(victim)
-            expected = size - done
+            expected = set(range(size)) - set(victims[:done])
             found = cluster.detections(victim, killed_at, expected)
-            if len(found) != expected:
-                raise RuntimeError(f"size {size}: {len(found)} of {expected} survivors "
+            if len(found) != len(expected):
+                raise RuntimeError(f"size {size}: {len(found)} of {len(expected)} survivors "
                                    f"learned of rank {victim}'s death")
             times += found
             time.sleep(0.3)

@@ -40,7 +40,7 @@ def cluster():
 
 def test_every_survivor_learns_of_a_kill_from_outside(cluster):
     killed_at = cluster.kill(0)
-    seconds = cluster.detections(0, killed_at, survivors=15)
+    seconds = cluster.detections(0, killed_at, survivors=set(range(1, 16)))
     assert len(seconds) == 15 and max(seconds) < 3.0
     told = {int(f[1]): f[3] for f in cluster.find("D", f2=0)}
     saw_it = {r for r, how in told.items() if how == "eof"}
@@ -52,10 +52,11 @@ def test_two_deaths_at_once_reach_everyone(cluster):
     first, second = cluster.kill(5), cluster.kill(9)
     survivors = set(range(16)) - {0, 5, 9}
     for victim, killed_at in ((5, first), (9, second)):
-        seconds = cluster.detections(victim, killed_at, survivors=13)
+        seconds = cluster.detections(victim, killed_at, survivors)
         told = {int(f[1]) for f in cluster.find("D", f2=victim)}
         # the other victim may have heard before it died
-        assert survivors <= told <= survivors | {5, 9} and max(seconds) < 3.0
+        assert survivors <= told <= survivors | {5, 9}
+        assert len(seconds) == 13 and max(seconds) < 3.0
 
 
 def test_stopped_ranks_are_stalls_recorded_once_not_deaths(cluster):
@@ -85,7 +86,7 @@ def test_file_descriptors_stay_logarithmic(cluster):
 
 
 def test_a_death_while_the_lifelines_are_built_fails_the_build_at_once():
-    """Rank 1 of 3 dies right after the address exchange (its kernel closes its listener):
+    """Rank 1 of 3 is dead right after the address exchange (nothing listens on its port):
     rank 0, dialling it, is refused; rank 2, waiting for its call, gives up as soon as
     ``given_up`` says a member died (the agent's mark), not after the 30 s connect timeout.
     Both raise BuildFailed and leave no descriptor open."""
@@ -119,15 +120,19 @@ def test_a_death_while_the_lifelines_are_built_fails_the_build_at_once():
     threads = [threading.Thread(target=live, args=(r,)) for r in (0, 2)]
     for thread in threads:
         thread.start()
-    doomed = socket.create_server(("127.0.0.1", 0))
+    # Rank 1 is dead by the time anyone dials: its port is bound (so nobody else takes it)
+    # but not listening, so the kernel refuses. A listening socket closed after the
+    # exchange would race rank 0's dial, which a backlog can accept.
+    doomed = socket.socket()
+    doomed.bind(("127.0.0.1", 0))
     allgather_as(1)(("127.0.0.1", doomed.getsockname()[1], "h1"), "x")
-    doomed.close()                       # rank 1 dies
     time.sleep(0.5)
     died_at = time.monotonic()
     marked.set()                         # ...and its agent marks the rendezvous
     for thread in threads:
         thread.join(timeout=10)
-    assert "cannot reach rank 1" in outcome[0][0] and outcome[0][1] < 2
+    assert "cannot reach rank 1" in outcome[0][0] and outcome[0][1] < 5
     assert "died while the lifelines were being built" in outcome[2][0]
-    assert time.monotonic() - died_at < 1.0 and 0.4 < outcome[2][1] < 2
+    assert time.monotonic() - died_at < 2.0 and 0.4 < outcome[2][1] < 5
+    doomed.close()
     assert len(os.listdir("/proc/self/fd")) == fds_before
