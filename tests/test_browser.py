@@ -207,6 +207,8 @@ def test_live_update_and_pause(page, server, data, store):
     assert page.evaluate("() => window.notReloaded === true")
     page.click("#pause")
     assert page.inner_text("#live-label") == "paused"
+    # a refresh already under way when the pause was clicked may still draw; wait it out
+    page.wait_for_function("() => !document.getElementById('live-dot').classList.contains('busy')")
     _write_step(store, data["elastic"], last + 2, 0.0823456, data["spool"])
     page.wait_for_timeout(1500)  # five polling periods
     assert last + 2 not in trace(page, "chart-steptime", "host-a:0")["x"]

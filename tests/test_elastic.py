@@ -141,7 +141,9 @@ def test_stalled_rank_is_not_declared_dead_and_healthy_run_never_resets(tmp_path
     (cleared,) = kinds(report, "stall_cleared")
     assert stall["target"] == cleared["target"] == "127.0.0.3"
     assert stall["reason"] == "no progress" and stall["silent_s"] >= 5
-    assert stall["step"] == 300 and 5 <= cleared["wall_time"] - stall["wall_time"] <= 7
+    # 10 s paused, declared after 5 s silent: about 5 s apart, give or take the heartbeat
+    # ticks on either end
+    assert stall["step"] == 300 and 4 <= cleared["wall_time"] - stall["wall_time"] <= 7.5
 
 
 def _progress(run_dir):
@@ -170,7 +172,9 @@ def test_whole_job_restart_resumes_from_disk_checkpoint(tmp_path):
         kill_tree(job.pid)      # the whole job, every rank, at once
         job.wait()
     saved = torch.load(run_dir / "checkpoint" / "state.pt", weights_only=False)
-    assert saved["step"] % 20 == 0 and 140 <= saved["step"] < 400
+    # every 20 steps, written in the background: killed at 150, the one of step 140 may
+    # still have been in flight
+    assert saved["step"] % 20 == 0 and 120 <= saved["step"] < 400
     done = subprocess.run(cmd + ["--resume", "auto"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=180)
     assert done.returncode == 0, done.stdout[-3000:]

@@ -1,10 +1,14 @@
 """Hostfiles, discovery scripts and `regatta local` options: clear errors for bad input."""
 import subprocess
+import threading
 
 import pytest
 
 from conftest import BIN, ROOT
-from elastic.launch.hosts import Host, HostsError, parse_discovery, parse_hostfile, run_discovery
+from elastic.launch.hosts import (Host, HostsError, format_discovery, parse_discovery,
+                                  parse_hostfile, run_discovery, write_discovery)
+from elastic.launch.local import apply_due_changes
+from elastic.runtime.events import EventLog, read_events
 from elastic.launch.plan import PlanError, parse_plan
 
 DISCOVER = ROOT / "hostfiles" / "discover.sh"
@@ -114,3 +118,38 @@ def test_outside_faults_are_planned_as_given():
         {"fault": "sigkill", "host": "127.0.0.4", "step": 40, "slot": None, "seconds": None, "after": 0.25},
         {"fault": "partition", "host": "127.0.0.2", "step": 60, "slot": None, "seconds": 4.5, "after": None}]
     assert plan.bandwidth == {"127.0.0.3": "20mbit"} and plan.needs_netns() == ["--bandwidth", "--partition"]
+
+
+def test_a_discovery_file_is_never_seen_half_written(tmp_path):
+    """horovodrun polls the file at any instant: every read is one whole host list."""
+    path = tmp_path / "hosts.txt"
+    lists = [[Host("127.0.0.2", 1), Host("127.0.0.3", 1)], [Host("127.0.0.2", 1)]]
+    write_discovery(path, lists[0])
+    whole = {format_discovery(hosts) for hosts in lists}
+    seen, writing = [], threading.Event()
+
+    def read_while_written():
+        while writing.is_set():
+            seen.append(path.read_text())
+
+    writing.set()
+    reader = threading.Thread(target=read_while_written)
+    reader.start()
+    for i in range(2000):
+        write_discovery(path, lists[i % 2])
+    writing.clear()
+    reader.join(timeout=10)
+    assert len(seen) > 100 and set(seen) <= whole, set(seen) - whole
+
+
+def test_changes_due_at_one_step_are_one_discovery_change(tmp_path):
+    path = tmp_path / "hosts.txt"
+    log = EventLog(tmp_path, "launcher", 0)
+    changes = [(10, "add", "127.0.0.4"), (10, "add", "127.0.0.5"), (20, "remove", "127.0.0.2")]
+    hosts = apply_due_changes(changes, 12, [Host("127.0.0.2", 2)], 2, path, log)
+    assert hosts == [Host("127.0.0.2", 2), Host("127.0.0.4", 2), Host("127.0.0.5", 2)]
+    assert path.read_text() == "127.0.0.2:2\n127.0.0.4:2\n127.0.0.5:2\n"
+    assert changes == [(20, "remove", "127.0.0.2")]          # not due yet: kept
+    added = [(e["target"], e["step"], e["planned_step"]) for e in read_events(tmp_path)]
+    assert added == [("127.0.0.4", 12, 10), ("127.0.0.5", 12, 10)]
+    assert apply_due_changes(changes, 19, hosts, 2, path, log) == hosts and changes

@@ -49,6 +49,10 @@ def kill_while_sending(run_dir, proc, rng) -> dict:
             step, base = progress[0], written(pid)
         if step is not None and written(pid) - base >= FIRST_BUCKET_SENT:
             time.sleep(rng.uniform(0, 0.01))
+            now = read_progress(run_dir)
+            if now and now[0] != step:   # a late look: those bytes were the next step's
+                step = None
+                continue
             os.kill(pid, signal.SIGKILL)
             return {"after_step": step, "wall_time": time.time()}
         time.sleep(0.0005)

@@ -10,7 +10,9 @@ from conftest import BIN, kinds, run
 from elastic.launch import netns
 
 UNAVAILABLE = netns.available()
-pytestmark = pytest.mark.skipif(bool(UNAVAILABLE), reason=UNAVAILABLE)
+# the module fixtures run whole jobs (the abort race up to 3 of them) in a test's setup
+pytestmark = [pytest.mark.skipif(bool(UNAVAILABLE), reason=UNAVAILABLE),
+              pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +40,12 @@ def test_each_double_failure_is_recovered_in_seconds(double_kills):
     struck = [e for e in kinds(report, "fault_injected") if e["fault"] == "kill"]
     assert [e["target"] for e in struck] == ["127.0.0.3", "127.0.0.4", "127.0.0.5", "127.0.0.6"]
     for first, second in (struck[0:2], struck[2:4]):
-        assert 0.05 < second["wall_time"] - first["wall_time"] < 0.5      # during the recovery
+        # chained to the strike before it (+0.1 s, +0.25 s); finding a host's processes
+        # and a late timer on a busy machine add to that
+        assert 0.05 < second["wall_time"] - first["wall_time"] < 1.0
+        # seconds, never Gloo's 30 s rendezvous timeout (loose: the bench has the figure)
         resumed = [e for e in kinds(report, "resumed") if e["wall_time"] > second["wall_time"]]
-        assert resumed and resumed[0]["wall_time"] - first["wall_time"] < 10
+        assert resumed and resumed[0]["wall_time"] - first["wall_time"] < 20
 
 
 def test_the_survivor_continues_from_its_last_commit(double_kills):
@@ -130,4 +135,4 @@ def test_survivors_aborted_by_gloo_are_replaced_with_their_commits(killed_connec
             assert lost[0]["steps_held"] == [60]
     assert replaced == aborted + asked     # every one aborted or asked, and only those
     resumed = [e for e in kinds(report, "resumed") if e["wall_time"] > second["wall_time"]]
-    assert resumed and resumed[0]["wall_time"] - first["wall_time"] < 10
+    assert resumed and resumed[0]["wall_time"] - first["wall_time"] < 20   # never Gloo's 30 s

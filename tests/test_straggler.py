@@ -37,10 +37,11 @@ def test_slowed_host_is_measured_and_flagged(tmp_path, slow):
     print("per-host median compute time", medians, "max/median", round(ratio, 3))
     if slow:
         assert max(medians, key=medians.get) == "127.0.0.4"
-        assert 1.4 <= ratio <= 1.6, medians
+        # 1.5x by construction; sleep wake-ups on a busy machine move it a little
+        assert 1.35 <= ratio <= 1.75, medians
         first = events[0]
         assert first["detail"]["straggler_host"] == "127.0.0.4"
-        assert first["step"] <= 10 and 1.3 < first["detail"]["ratio"] < 1.7
+        assert first["step"] <= 10 and 1.3 < first["detail"]["ratio"] < 1.8
         assert {e["detail"]["straggler_host"] for e in events} == {"127.0.0.4"}
     else:
         assert ratio < 1.2, medians

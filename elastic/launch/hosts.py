@@ -4,9 +4,11 @@ Every parse error names the source, the line number and the offending text.
 """
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -102,3 +104,12 @@ def run_discovery(command: str, timeout: float = 10.0) -> list[Host]:
 
 def format_discovery(hosts: list[Host]) -> str:
     return "".join(f"{host.name}:{host.slots}\n" for host in hosts)
+
+
+def write_discovery(path: Path, hosts: list[Host]) -> None:
+    """Replace a discovery file in one step: horovodrun's discovery poll reads it at any
+    instant, and a file caught truncated, or half written, would list hosts that are not
+    the plan's (no hosts at all, or ``127.0.``)."""
+    draft = path.with_name(path.name + ".new")
+    draft.write_text(format_discovery(hosts))
+    os.replace(draft, path)

@@ -32,7 +32,7 @@ from monitor.sink import make_sink
 from ..runtime.events import EventLog, read_progress
 from ..faults import ENV as FAULTS_ENV, FaultPlan
 from . import agent, loopback, netns
-from .hosts import Host, format_discovery, run_discovery
+from .hosts import Host, run_discovery, write_discovery
 from .inject import Injector, Workers
 from .plan import LocalPlan, PlanError, parse_at, resolve_host   # noqa: F401  (re-exported)
 from .report import build_report, write_report
@@ -161,7 +161,7 @@ def _run_here(plan: LocalPlan, kind: str) -> dict:
     run_dir = Path(plan.run_dir)
     hosts = [Host(name, plan.slots) for name in plan.initial_hosts()]
     hosts_file = run_dir / "hosts.txt"
-    hosts_file.write_text(format_discovery(hosts))
+    write_discovery(hosts_file, hosts)
     run_discovery(f"{DISCOVER} {hosts_file}")      # fail now, clearly, not inside horovodrun
     run_id = new_run_id(plan)
     sink = make_sink(db=plan.db or None, ingest=plan.ingest or None,
@@ -228,12 +228,7 @@ def _supervise(plan: LocalPlan, hosts: list[Host], hosts_file: Path, log: EventL
                 bar.set_postfix(np=seen[1], refresh=False)
                 bar.refresh()
                 injector.reached(seen[0], pace.step(seen[0]))
-                while changes and seen[0] >= changes[0][0]:
-                    step, action, host = changes.pop(0)
-                    hosts = _apply(action, host, hosts, plan.slots)
-                    hosts_file.write_text(format_discovery(hosts))
-                    kind = {"add": "host_added", "remove": "host_removed"}[action]
-                    log.record(kind, seen[0], target=host, planned_step=step)
+                hosts = apply_due_changes(changes, seen[0], hosts, plan.slots, hosts_file, log)
             time.sleep(0.02)
     finally:
         bar.close()
@@ -244,6 +239,23 @@ def _supervise(plan: LocalPlan, hosts: list[Host], hosts_file: Path, log: EventL
         log.record("stopped", None, signal=stopping.requested)
         return 128 + stopping.requested
     return proc.returncode
+
+
+def apply_due_changes(changes: list, reached: int, hosts: list[Host], slots: int,
+                  hosts_file: Path, log: EventLog) -> list[Host]:
+    """Apply the planned changes due by step ``reached`` (popping them) and rewrite the
+    discovery file once, so changes due at one step reach horovodrun as one change."""
+    due = []
+    while changes and reached >= changes[0][0]:
+        due.append(changes.pop(0))
+    for _, action, host in due:
+        hosts = _apply(action, host, hosts, slots)
+    if due:
+        write_discovery(hosts_file, hosts)
+    for step, action, host in due:
+        kind = {"add": "host_added", "remove": "host_removed"}[action]
+        log.record(kind, reached, target=host, planned_step=step)
+    return hosts
 
 
 class Pace:
