@@ -12,6 +12,10 @@ failing a transaction that upgrades its lock halfway. PostgreSQL needs neither.
 """
 from __future__ import annotations
 
+import random
+import sqlite3
+import time
+
 from sqlalchemy import create_engine, event
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine, make_url
@@ -50,8 +54,25 @@ def _sqlite_connect(dbapi_conn, _record) -> None:
     dbapi_conn.isolation_level = None  # let the "begin" hook below issue BEGIN itself
     cur = dbapi_conn.cursor()
     cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-    cur.execute("PRAGMA journal_mode=WAL")
+    _switch_to_wal(cur)
     cur.close()
+
+
+def _switch_to_wal(cur) -> None:
+    """Two connections switching a new file to WAL at once each hold the read lock and
+    want the exclusive one; SQLite then fails one at once with "database is locked"
+    without calling the busy handler (it would wait forever). Two ranks opening a
+    run's new store together hit this (about 1 connection in 60 here): retry for as
+    long as the busy timeout would have waited."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            cur.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as err:
+            if "locked" not in str(err) or time.monotonic() > deadline:
+                raise
+            time.sleep(random.uniform(0.005, 0.05))
 
 
 def _sqlite_begin(conn) -> None:
