@@ -51,6 +51,7 @@ def test_killed_worker_is_reported_as_killed(agent, tmp_path):
 
 
 ABORTS = str(ROOT / "tests" / "workers" / "abort_worker.py")
+TERMS = str(ROOT / "tests" / "workers" / "sigterm_worker.py")
 
 
 def test_worker_aborted_while_re_forming_is_replaced_with_its_handoff(agent):
@@ -70,11 +71,18 @@ def test_worker_aborted_while_training_is_reported_as_aborted(agent):
     assert proc.returncode == -signal.SIGABRT and "replacement" not in out, out
 
 
-def test_sigterm_to_the_shim_reaches_the_worker(agent, tmp_path):
-    proc = shim(agent, tmp_path, {"REGATTA_FAULTS": '{"pause": [{"host": "%s", "step": 2, "seconds": 60}]}' % agent})
-    time.sleep(3)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == -signal.SIGTERM
+def test_sigterm_to_the_shim_reaches_the_worker(agent):
+    """A worker that handles SIGTERM hears it when the shim is signalled, and the shim
+    exits as the worker did. Without forwarding the shim would die of the signal and the
+    agent would SIGKILL the worker when its shim went."""
+    proc = shim(agent, job=(TERMS,))
+    try:
+        assert proc.stdout.readline().startswith("worker ready")
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0 and "got SIGTERM" in out, (proc.returncode, out)
+    finally:
+        kill_tree(proc.pid)
 
 
 def test_one_warm_process_forks_an_agent_per_host_and_names_one_that_failed(tmp_path):
