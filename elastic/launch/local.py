@@ -242,7 +242,7 @@ def _supervise(plan: LocalPlan, hosts: list[Host], hosts_file: Path, log: EventL
 
 
 def apply_due_changes(changes: list, reached: int, hosts: list[Host], slots: int,
-                  hosts_file: Path, log: EventLog) -> list[Host]:
+                      hosts_file: Path, log: EventLog) -> list[Host]:
     """Apply the planned changes due by step ``reached`` (popping them) and rewrite the
     discovery file once, so changes due at one step reach horovodrun as one change."""
     due = []
