@@ -8,8 +8,8 @@ from conftest import BIN, ROOT
 from elastic.launch.hosts import (Host, HostsError, format_discovery, parse_discovery,
                                   parse_hostfile, run_discovery, write_discovery)
 from elastic.launch.local import apply_due_changes
-from elastic.runtime.events import EventLog, read_events
 from elastic.launch.plan import PlanError, parse_plan
+from elastic.runtime.events import EventLog, read_events
 
 DISCOVER = ROOT / "hostfiles" / "discover.sh"
 

@@ -67,8 +67,8 @@ def test_stopped_ranks_are_stalls_recorded_once_not_deaths(cluster):
     def recorded(kind: str) -> list[tuple[int, int]]:
         """(target, recorder) of this test's records of the stopped ranks: a rank starved
         of the cores for a second earlier in the module may have been recorded too."""
-        return [(int(f[3]), int(f[1])) for at, f in cluster.lines
-                if at >= since and f[0] == "S" and f[2] == kind and int(f[3]) in stopped]
+        return [(int(f[3]), int(f[1])) for f in cluster.find("S", since=since, f2=kind)
+                if int(f[3]) in stopped]
 
     since = time.time()
     for rank in stopped:
