@@ -165,6 +165,9 @@ class TrainState(RuntimeState):
 
     def _reload_checkpoint(self, held: list[int]) -> str | None:
         """Load the durable checkpoint into the live state; an error message, or None."""
+        # A write of this rank's may be in flight: its checkpoint is newer than the one on
+        # disk now, and loading before it lands would redo steps for nothing.
+        self._writer.wait()
         try:
             saved = checkpoint.load(self._checkpoint_path, expect=FORMAT)
         except checkpoint.CheckpointError as err:
