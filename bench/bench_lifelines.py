@@ -133,9 +133,11 @@ class LightCluster:
             *complete, self._buffer = self._buffer.split(b"\n")
             self.lines += [(now, line.decode().split()) for line in complete]
 
-    def find(self, kind: str, since: float = 0.0, **match) -> list[list[str]]:
-        """Report lines of ``kind`` read at or after ``since`` whose field N equals fN."""
-        return [f for at, f in self.lines if f[0] == kind and at >= since
+    def find(self, kind: str, since: float = 0.0, until: float = float("inf"),
+             **match) -> list[list[str]]:
+        """Report lines of ``kind`` read from ``since`` until before ``until`` whose field N
+        equals fN."""
+        return [f for at, f in self.lines if f[0] == kind and since <= at < until
                 and all(f[int(k[1:])] == str(v) for k, v in match.items())]
 
     def wait_for(self, condition, timeout: float) -> bool:

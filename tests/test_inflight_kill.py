@@ -16,7 +16,7 @@ import pytest
 
 from conftest import BIN, ROOT, kill_tree, kinds, outside_pid
 from elastic.launch.report import build_report
-from elastic.runtime.events import read_progress
+from elastic.runtime.events import read_events, read_progress
 
 STEPS, EVERY, VICTIM = 24, 5, "127.0.0.4"
 # 7 buckets of one 1536 x 1536 layer (9.4 MB) each and the head's; with 3 ranks a rank
@@ -26,8 +26,8 @@ FIRST_BUCKET_SENT = 16 << 20
 
 
 def events_of(run_dir, host):
-    path = run_dir / "events" / f"{host}-0.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    """``host``'s events so far (read_events skips a line still being written)."""
+    return [e for e in read_events(run_dir) if e["host"] == host]
 
 
 def written(pid: int) -> int:

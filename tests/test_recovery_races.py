@@ -41,8 +41,9 @@ def test_each_double_failure_is_recovered_in_seconds(double_kills):
     assert [e["target"] for e in struck] == ["127.0.0.3", "127.0.0.4", "127.0.0.5", "127.0.0.6"]
     for first, second in (struck[0:2], struck[2:4]):
         # chained to the strike before it (+0.1 s, +0.25 s); finding a host's processes
-        # and a late timer on a busy machine add to that
-        assert 0.05 < second["wall_time"] - first["wall_time"] < 1.0
+        # (a scan of every process) and a late timer on a busy machine add to that, while
+        # the survivors recover on the same two cores
+        assert 0.05 < second["wall_time"] - first["wall_time"] < 2.0
         # seconds, never Gloo's 30 s rendezvous timeout (loose: the bench has the figure)
         resumed = [e for e in kinds(report, "resumed") if e["wall_time"] > second["wall_time"]]
         assert resumed and resumed[0]["wall_time"] - first["wall_time"] < 20

@@ -41,7 +41,8 @@ def test_slowed_host_is_measured_and_flagged(tmp_path, slow):
         assert 1.35 <= ratio <= 1.75, medians
         first = events[0]
         assert first["detail"]["straggler_host"] == "127.0.0.4"
-        assert first["step"] <= 10 and 1.3 < first["detail"]["ratio"] < 1.8
+        # flagged within its first few windows (the first one holds warm-up steps)
+        assert first["step"] <= 20 and 1.3 < first["detail"]["ratio"] < 1.8
         assert {e["detail"]["straggler_host"] for e in events} == {"127.0.0.4"}
     else:
         assert ratio < 1.2, medians
