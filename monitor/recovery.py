@@ -135,12 +135,17 @@ def _row(events: list[dict], trigger: dict, until: float) -> dict:
     return row
 
 
+def window_ends(times: list[float]) -> list[float]:
+    """Where each change's window ends (``times`` ascending): at the next change made at a
+    later instant. Changes made at one instant (two hosts added at one step) share one
+    re-forming, so each is measured over it."""
+    return [next((later for later in times[i + 1:] if later > t), float("inf"))
+            for i, t in enumerate(times)]
+
+
 def _rows(events: list[dict], triggers: list[dict]) -> list[dict]:
-    out = []
-    for i, trigger in enumerate(triggers):
-        until = triggers[i + 1]["wall_time"] if i + 1 < len(triggers) else float("inf")
-        out.append(_row(events, trigger, until))
-    return out
+    ends = window_ends([t["wall_time"] for t in triggers])
+    return [_row(events, trigger, until) for trigger, until in zip(triggers, ends)]
 
 
 def _usable(event) -> bool:

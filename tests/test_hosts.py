@@ -152,4 +152,5 @@ def test_changes_due_at_one_step_are_one_discovery_change(tmp_path):
     assert changes == [(20, "remove", "127.0.0.2")]          # not due yet: kept
     added = [(e["target"], e["step"], e["planned_step"]) for e in read_events(tmp_path)]
     assert added == [("127.0.0.4", 12, 10), ("127.0.0.5", 12, 10)]
+    assert len({e["wall_time"] for e in read_events(tmp_path)}) == 1   # one instant, one change
     assert apply_due_changes(changes, 19, hosts, 2, path, log) == hosts and changes

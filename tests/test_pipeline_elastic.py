@@ -179,11 +179,15 @@ def test_dp1_pipeline_recovers_from_buddy_copies(tmp_path):
 
 
 def test_added_hosts_grow_the_grid_and_replicas_agree(tmp_path):
-    report = run_local(tmp_path, "--hosts", "2", "--steps", "160", "--commit-every", "5",
+    # Training goes on while the added hosts start: they joined at step ~50 on an idle
+    # machine, so 240 steps leave room for a busy one.
+    report = run_local(tmp_path, "--hosts", "2", "--steps", "240", "--commit-every", "5",
                        "--add", "@10", "--add", "@10",
                        job_args=["--pp", "2", "--boundaries", "0,2", *SMALL])
     assert report["exit_code"] == 0
-    assert (report["final_step"], report["final_world_size"]) == (160, 4)
+    assert (report["final_step"], report["final_world_size"]) == (240, 4)
+    # two additions at one step, one re-forming: each change's world after is 4
+    assert [(c["kind"], c["size_after"]) for c in report["changes"]] == [("host_added", 4)] * 2
     grown = [e for e in kinds(report, "replan") if e["size"] == 4]
     assert grown and grown[0]["old"]["dp"] == 1 and grown[0]["new"] == \
         {"pp": 2, "dp": 2, "stages": [[0, 2], [2, 4]]}
@@ -199,11 +203,15 @@ def test_added_hosts_grow_the_grid_and_replicas_agree(tmp_path):
 
 
 # -- two failures at once, from outside ------------------------------------------------------
+TWO_LOST_STEPS = 100    # the kill comes from outside after step 15: room for a slow reaction
+
+
 def lose_two_stages(tmp, leaves_a_copy: bool):
     """pp = 4, dp = 1 on 4 hosts: each rank holds its stage and its buddy's. Two workers
     SIGKILLed together, chosen from what each host held so that every stage keeps a copy
     (or one does not); a durable checkpoint exists either way."""
-    with LocalRun(tmp, "charlm", "--hosts", "4", "--steps", "40", "--commit-every", "5",
+    with LocalRun(tmp, "charlm", "--hosts", "4", "--steps", str(TWO_LOST_STEPS),
+                  "--commit-every", "5",
                   job_args=["--pp", "4", *SMALL, "--checkpoint-every", "1", "--db", str(tmp / "m.db")],
                   timeout=360) as run:
         held = run.wait_for(lambda ev: h if len(h := held_at(ev, 15)) == 4 else None,
@@ -217,7 +225,7 @@ def lose_two_stages(tmp, leaves_a_copy: bool):
 
 def test_two_failures_leaving_a_copy_of_every_stage_recover_from_memory(tmp_path):
     report, held, victims, killed_at = lose_two_stages(tmp_path, leaves_a_copy=True)
-    assert (report["final_step"], report["final_world_size"]) == (40, 2)
+    assert (report["final_step"], report["final_world_size"]) == (TWO_LOST_STEPS, 2)
     survivors = set(held) - victims
     assert any(held[v][0] in [r for s in survivors for r in held[s][1:]] for v in victims)
     replans = [e for e in kinds(report, "replan") if e["wall_time"] > killed_at]
@@ -232,7 +240,7 @@ def test_two_failures_leaving_a_copy_of_every_stage_recover_from_memory(tmp_path
 
 def test_two_failures_taking_every_copy_of_a_stage_recover_from_disk(tmp_path):
     report, held, victims, killed_at = lose_two_stages(tmp_path, leaves_a_copy=False)
-    assert (report["final_step"], report["final_world_size"]) == (40, 2)
+    assert (report["final_step"], report["final_world_size"]) == (TWO_LOST_STEPS, 2)
     survivors = set(held) - victims
     lost = [e for e in kinds(report, "state_lost") if e["wall_time"] > killed_at]
     assert {e["host"] for e in lost} == survivors

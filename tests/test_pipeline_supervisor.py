@@ -18,7 +18,7 @@ from elastic.pipeline.checkpoint import read_manifest
 from elastic.pipeline.supervisor import SupervisorConfig, command, drop_failed, rank_hosts, replan
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS, EVERY = 120, 10
+STEPS, EVERY = 240, 10     # the kill comes after step 20: room for a slow reaction
 JOB_ARGS = ["--steps", str(STEPS), "--commit-every", str(EVERY), "--checkpoint-every", "1",
             "--global-batch", "8", "--microbatches", "2", "--lr", "0.01",
             "--set", "model.layers=2", "--set", "model.dim=32", "--set", "model.context=16"]

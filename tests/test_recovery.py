@@ -73,3 +73,19 @@ def test_unannounced_peer_loss_is_a_failure_and_bad_events_are_skipped():
               flat("restore", 10.5, "a", steps_redone="many")]
     (row,) = recoveries(events)
     assert (row["host"], row["ranks"], row["reset_done_s"], row["steps_redone"]) == ("d", 2, 1.0, 0)
+
+
+@pytest.mark.parametrize("shape", [lambda e: e, nested], ids=["jsonl", "store"])
+def test_hosts_added_at_one_instant_share_one_re_forming(shape):
+    """Two hosts added at one step are recorded at one instant; each row is measured over
+    the re-forming that took them both in (a window ending at the other would be empty)."""
+    events = [flat("host_added", 50.0, "launcher", step=10, target="c"),
+              flat("host_added", 50.0, "launcher", step=10, target="d"),
+              flat("reset", 52.0, "a", step=30, size_before=2, size_after=4),
+              flat("sync", 52.3, "a", step=30, size=4),
+              flat("resumed", 52.5, "a", step=31, size=4),
+              flat("host_added", 90.0, "launcher", step=80, target="e"),
+              flat("reset", 91.0, "a", step=90, size_before=4, size_after=5)]
+    rows = recoveries([shape(e) for e in events])
+    assert [(r["host"], r["size_after"]) for r in rows] == [("c", 4), ("d", 4), ("e", 5)]
+    assert [r["first_step_done_s"] for r in rows] == [pytest.approx(2.5), pytest.approx(2.5), None]

@@ -252,9 +252,10 @@ def apply_due_changes(changes: list, reached: int, hosts: list[Host], slots: int
         hosts = _apply(action, host, hosts, slots)
     if due:
         write_discovery(hosts_file, hosts)
+    now = time.time()     # one instant: the report measures them as one re-forming
     for step, action, host in due:
         kind = {"add": "host_added", "remove": "host_removed"}[action]
-        log.record(kind, reached, target=host, planned_step=step)
+        log.record(kind, reached, wall_time=now, target=host, planned_step=step)
     return hosts
 
 

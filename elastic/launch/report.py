@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from monitor.recovery import phases
+from monitor.recovery import phases, window_ends
 
 from ..runtime.events import read_events
 
@@ -32,8 +32,7 @@ def build_report(run_dir: Path, exit_code: int, plan=None) -> dict:
                 or (e["host"] == "launcher" and e["kind"] in ("host_added", "host_removed"))
                 or (e["kind"] == "fault_injected" and e["fault"] in CHANGES)]
     changes = []
-    for i, trigger in enumerate(triggers):
-        until = triggers[i + 1]["wall_time"] if i + 1 < len(triggers) else float("inf")
+    for trigger, until in zip(triggers, window_ends([t["wall_time"] for t in triggers])):
         kind = CHANGES.get(trigger.get("fault"), "failure" if trigger["kind"] == "kill_injected"
                            else trigger["kind"])
         changes.append({"kind": kind, "step": trigger["step"],
