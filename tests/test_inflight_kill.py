@@ -3,7 +3,7 @@
 (bench/mlp.py). The test watches the victim's socket writes (/proc/PID/io ``wchar``: Gloo
 writes every byte it sends) and kills it once, within a step, more than one bucket's
 worth has left it, a few random milliseconds later. The survivors then hold a step half
-reduced (some buckets summed, others not), and what they restore must be the last
+reduced (buckets launched, not all summed), and what they restore must be the last
 commit, bit for bit."""
 import json
 import os
@@ -87,7 +87,10 @@ def test_survivors_failed_with_buckets_in_flight(inflight):
         assert event["buckets"] >= 7
         assert event["step"] == kill["after_step"]    # rank 0's progress: steps done
         assert event["launched"] >= 1 and event["summed"] < event["buckets"]
-    assert max(e["summed"] for e in failed) >= 1      # the first bucket got through
+    # How many buckets the survivors had summed is printed, not asserted: 16 MiB written by
+    # the victim is its share of the first bucket sent, but whether the survivors finish
+    # summing it depends on what was still in the sockets when it died (a process killed
+    # with unread input resets its connections). CI saw 0 on a loaded machine.
 
 
 def test_restored_state_is_the_last_commit(inflight):
