@@ -116,13 +116,14 @@ def serve(config: WebConfig, host: str = "127.0.0.1", port: int = DEFAULT_PORT) 
     from monitor.dialect import shown as shown_db
     server = make_server(config.db, host, port, config=config)
     shown = "127.0.0.1" if host in ("", "0.0.0.0") else host
-    print(f"Regatta dashboard on http://{shown}:{getattr(server, 'effective_port', port)}/ "
-          f"(store {shown_db(config.db)}; ingest {'on' if config.ingest_token else 'off: no token'}"
-          f"; reads {'need the read token' if config.read_token else 'open'})", flush=True)
     if threading.current_thread() is threading.main_thread():
-        # SIGTERM (systemd, docker, kill) ends it as cleanly as Ctrl-C does.
+        # SIGTERM (systemd, docker, kill) ends it as cleanly as Ctrl-C does; installed
+        # before the URL is printed, since whoever reads it may stop the server at once.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
+        print(f"Regatta dashboard on http://{shown}:{getattr(server, 'effective_port', port)}/ "
+              f"(store {shown_db(config.db)}; ingest {'on' if config.ingest_token else 'off: no token'}"
+              f"; reads {'need the read token' if config.read_token else 'open'})", flush=True)
         server.run()  # returns on Ctrl-C or SIGTERM, having stopped its worker threads
     finally:
         wasyncore.close_all(_socket_map(server))  # the loop is over: close here

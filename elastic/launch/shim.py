@@ -20,6 +20,9 @@ import sys
 from .agent import socket_name
 
 
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
 def _exec_directly(target: list[str], args: list[str]) -> None:
     os.execv(sys.executable, [sys.executable, *target, *args])
 
@@ -43,10 +46,14 @@ def main(argv: list[str]) -> None:
     split = 2 if argv[0] == "-m" else 1
     target, args = argv[:split], argv[split:]
     host = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+    # Held from before the worker exists until they can be forwarded to it: a signal in
+    # between would kill the shim, and the agent would SIGKILL the worker unwarned.
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(socket_name(host))
     except OSError:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)   # exec keeps the mask
         _exec_directly(target, args)
     request = {"target": target, "args": args, "cwd": os.getcwd(), "env": dict(os.environ)}
     socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
@@ -62,8 +69,9 @@ def main(argv: list[str]) -> None:
         except ProcessLookupError:
             pass
 
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for signum in FORWARDED:
         signal.signal(signum, forward)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)    # one held meanwhile arrives now
     while True:   # a worker replaced in place (elastic/restart.py) is announced by its pid
         message = _read_message(stream)
         if message is None:   # the agent died: take the worker down rather than orphan it

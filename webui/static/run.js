@@ -317,7 +317,7 @@
     d.by = ev.target.value;
     bufs.steptime = series("step_time", d.by);
     await Promise.all([bufs.steptime.load(), loadBreakdown()]).catch(R.showError);
-    render();
+    if (d.run) render();    // else the first load, still under way, draws with the new series
   });
   R.controls(() => d.run && render());
   refresh(true).catch(R.showError).finally(() => R.live(() => refresh(false)));

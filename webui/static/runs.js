@@ -32,9 +32,12 @@
       cell(`${r.failures_survived} / ${r.failures}`, "num"), cell(r.last_step, "num"));
   }
 
+  let asked = 0;    // a live refresh sent before a new filter may answer after it
   async function refresh() {
+    const mine = ++asked;
     const {runs, total} = await R.api("runs", {q: filters.q || null,
       status: filters.status || null, tag: filters.tag || null});
+    if (mine !== asked) return;
     const body = document.querySelector("#runs tbody");
     const filtered = filters.q || filters.status || filters.tag;
     body.replaceChildren(...(runs.length ? runs.map(row)
