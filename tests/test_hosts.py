@@ -1,6 +1,7 @@
 """Hostfiles, discovery scripts and `regatta local` options: clear errors for bad input."""
 import subprocess
 import threading
+import time
 
 import pytest
 
@@ -135,11 +136,13 @@ def test_a_discovery_file_is_never_seen_half_written(tmp_path):
     writing.set()
     reader = threading.Thread(target=read_while_written)
     reader.start()
-    for i in range(2000):
-        write_discovery(path, lists[i % 2])
+    written, deadline = 0, time.monotonic() + 60
+    while (written < 2000 or len(seen) < 200) and time.monotonic() < deadline:
+        write_discovery(path, lists[written % 2])
+        written += 1
     writing.clear()
     reader.join(timeout=10)
-    assert len(seen) > 100 and set(seen) <= whole, set(seen) - whole
+    assert len(seen) >= 200 and set(seen) <= whole, set(seen) - whole
 
 
 def test_changes_due_at_one_step_are_one_discovery_change(tmp_path):

@@ -33,6 +33,9 @@ def test_a_chained_fault_strikes_after_the_one_before_it(tmp_path):
         injector.reached(5, 0.01)
         for proc in procs.values():
             assert proc.wait(timeout=10) == -9
+        deadline = time.monotonic() + 10     # each strike is recorded just after its kill
+        while len(injector.struck) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
         a, b, c = injector.struck
         assert [e["target"] for e in (a, b, c)] == ["a", "b", "c"]
         # each lookup took 0.15 s: from one arming timer, b would strike 0.05 s before a.

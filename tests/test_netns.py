@@ -38,9 +38,12 @@ def test_vanished_host_is_detected_by_timeout_within_seconds(vanish_run):
 def test_stopped_process_is_a_stall_not_a_death(vanish_run):
     result, _, _ = vanish_run
     assert not [d for d in result["deaths"] if d[1] == 1 and d[0] != 2]   # 2 is cut off
-    kinds = [(who, kind, rank) for who, kind, rank, _ in result["stalls"]]
-    assert kinds == [(0, "stall", 1), (0, "stall_cleared", 1)]
-    cleared_after = result["stalls"][1][3]
+    # Records of the stopped rank by those not cut off: the vanished host, silent for up to
+    # 8 s before it is declared dead, may be recorded as a stall too, and sees rank 1 stall.
+    stopped = [s for s in result["stalls"] if s[2] == 1 and s[0] != 2]
+    assert [(who, kind, rank) for who, kind, rank, _ in stopped] == \
+        [(0, "stall", 1), (0, "stall_cleared", 1)]
+    cleared_after = stopped[1][3]
     assert result["stop_s"] <= cleared_after < result["stop_s"] + 5
     # it heard of host 2 once it could run again
     assert [d[2] for d in result["deaths"] if d[0] == 1 and d[1] == 2] == ["told"]

@@ -234,9 +234,11 @@ def real_run(folder: Path, db: str):
     cmd = [sys.executable, "-m", "jobs.digits", "--steps", "40", "--run-dir",
            str(folder / "digits"), "--db", db, "--no-progress"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, timeout=120, text=True)
+    # a failed run must say so here, not as a dashboard test finding no finished run
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     store = Store(db)
     try:
-        if done.returncode != 0 or store.count("step") == 0:
+        if store.count("step") == 0:
             return None
         from sqlalchemy import select
         from monitor.models import StepMetric
