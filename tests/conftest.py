@@ -107,6 +107,15 @@ def kinds(report: dict, kind: str) -> list[dict]:
     return [e for e in report["events"] if e["kind"] == kind]
 
 
+def committed(report: dict, step: int, before: float, hash_of=lambda e: e["param_hash"]):
+    """The one hash (``hash_of`` a commit event) every rank's commit at ``step`` recorded
+    before ``before`` agrees on. A commit whose exchange ended just before a kill is
+    recorded just after it, so bound it by the first recovery event, not the kill."""
+    found = {hash_of(e) for e in kinds(report, "commit") if e["step"] == step and e["wall_time"] < before}
+    assert len(found) == 1, found
+    return found.pop()
+
+
 # -- a throwaway PostgreSQL server, one per test session ---------------------------
 
 def _postgres_bin() -> Path:

@@ -15,7 +15,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from conftest import kinds, regatta_local
+from conftest import committed, kinds, regatta_local
 from outside import LocalRun, held_at, pair_to_kill
 from elastic.pipeline.shards import exchange, model_digest, tensor_digests
 from elastic.runtime.shards import buddies, kept_by
@@ -96,16 +96,6 @@ def finals(tmp):
     return [json.loads(p.read_text()) for p in (tmp / "run" / "final").glob("*.json")]
 
 
-def commit_hash(report, step, before):
-    """The hash of the commit at ``step`` recorded before ``before``: a commit whose
-    exchange ended just before a kill is recorded just after it, so callers bound it by
-    the first recovery event, not the kill."""
-    hashes = {e["param_hash"] for e in kinds(report, "commit")
-              if e["step"] == step and e["wall_time"] < before}
-    assert len(hashes) == 1, hashes
-    return hashes.pop()
-
-
 @pytest.fixture(scope="module")
 def kill_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pipe_kill")
@@ -137,10 +127,10 @@ def test_kill_one_of_four_continues_on_three_under_a_new_plan(kill_run):
 def test_model_reassembled_after_the_reset_equals_the_last_commit(kill_run):
     tmp, report = kill_run
     failed = report["changes"][0]["wall_time"]
-    committed = commit_hash(report, 25, failed)
+    last = committed(report, 25, failed)
     synced = [e for e in kinds(report, "sync") if e["wall_time"] > failed]
     assert len(synced) == 3 and {e["step"] for e in synced} == {25}
-    assert {e["param_hash"] for e in synced} == {committed}
+    assert {e["param_hash"] for e in synced} == {last}
     replans = kinds(report, "replan")       # every survivor moved the model under a new plan,
     assert len(replans) == 3                # from memory, at the committed step
     assert all(e["from_memory"] and e["step"] == 25 and e["wall_time"] > failed for e in replans)
@@ -175,7 +165,7 @@ def test_dp1_pipeline_recovers_from_buddy_copies(tmp_path):
     replans = kinds(report, "replan")
     assert replans and all(e["from_memory"] and e["old"]["pp"] == 3 for e in replans)
     synced = {e["param_hash"] for e in kinds(report, "sync") if e["wall_time"] > failed}
-    assert synced == {commit_hash(report, 15, failed)}
+    assert synced == {committed(report, 15, failed)}
 
 
 def test_added_hosts_grow_the_grid_and_replicas_agree(tmp_path):
@@ -234,7 +224,7 @@ def test_two_failures_leaving_a_copy_of_every_stage_recover_from_memory(tmp_path
     assert synced and all(e["source"] == "memory" for e in synced)
     (step,) = {e["from_step"] for e in synced}
     first = min(e["wall_time"] for e in replans)
-    assert {e["param_hash"] for e in synced} == {commit_hash(report, step, first)}
+    assert {e["param_hash"] for e in synced} == {committed(report, step, first)}
     assert not kinds(report, "state_lost") and not kinds(report, "resume")
 
 
@@ -251,4 +241,4 @@ def test_two_failures_taking_every_copy_of_a_stage_recover_from_disk(tmp_path):
     (step,) = {e["from_step"] for e in synced}
     assert {e["step"] for e in resumed} == {step}
     first = min(e["wall_time"] for e in lost)
-    assert {e["param_hash"] for e in synced} == {commit_hash(report, step, first)}
+    assert {e["param_hash"] for e in synced} == {committed(report, step, first)}

@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from conftest import PYTHON, ROOT, kinds
+from conftest import PYTHON, ROOT, committed, kinds
 from outside import LocalRun, held_at, pair_to_kill
 
 KILL_AFTER = 60     # the victims die some time after every host committed this step
@@ -41,15 +41,6 @@ def lose_two(tmp, leaves_a_copy: bool, checkpoint_every: int):
 
 def hashes(event: dict) -> tuple:
     return event["param_hash"], event["optimizer_hash"]
-
-
-def committed(report, step: int, before: float) -> tuple:
-    """The hashes of the commit at ``step`` recorded before ``before``: a commit whose
-    exchange ended just before the kill is recorded just after it, so the bound is the
-    first restore, not the kill."""
-    found = {hashes(e) for e in kinds(report, "commit") if e["step"] == step and e["wall_time"] < before}
-    assert len(found) == 1, found
-    return found.pop()
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +80,7 @@ def test_two_replicas_lost_restore_from_buddy_copies_bit_for_bit(from_memory):
     assert {e["host"] for e in synced} == survivors and {e["size"] for e in synced[-2:]} == {2}
     assert all(e["source"] == "memory" and e["from_step"] == step for e in synced)
     first = min(e["wall_time"] for e in restores)
-    assert {hashes(e) for e in synced} == {committed(report, step, first)}
+    assert {hashes(e) for e in synced} == {committed(report, step, first, hashes)}
     assert not kinds(report, "state_lost") and not kinds(report, "resume")
 
 
@@ -113,7 +104,7 @@ def test_a_share_with_no_copy_left_comes_from_the_checkpoint(tmp_path):
         assert step == newest
     else:
         assert step in ((newest, newest + 10) if writer in victims else (newest - 10, newest))
-    assert {hashes(e) for e in synced} == {committed(report, step, first)}
+    assert {hashes(e) for e in synced} == {committed(report, step, first, hashes)}
 
 
 def mpirun_digits(run_dir, *args):
