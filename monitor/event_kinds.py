@@ -11,7 +11,10 @@ An event's ``detail`` is a JSON object; the keys the dashboard reads are noted p
 ``fault_injected`` is recorded by a launcher that kills, stops or cuts off a process or
 host from outside: detail ``fault`` (kill | vanish | partition | stop, and cont or heal when
 a stop or a partition ends), ``target`` (the host), and optionally ``slot`` and ``pid``. ``kill_injected`` is recorded by a worker just
-before it SIGKILLs itself. Both mark when the failure that follows on that host began
+before it SIGKILLs itself. ``slot_failed`` is recorded by the local launcher when a host's
+agent saw a worker crash: detail ``target``, ``slot``, ``pid``, ``code`` and ``action``
+(``refilled``: a fresh worker took the slot; ``host_excluded``: left to horovodrun, which
+excludes the host). Both fault kinds mark when the failure that follows on that host began
 (monitor.recovery measures "detected" from them).
 """
 from __future__ import annotations
@@ -38,6 +41,7 @@ KINDS: dict[str, EventKind] = {k.name: k for k in (
     EventKind("fault_injected", MAJOR, "fault injected", _RED, "x-open"),
     EventKind("host_added", MAJOR, "host added", _GREEN, "star"),
     EventKind("host_removed", MAJOR, "host removed", _AMBER, "star-open"),
+    EventKind("slot_failed", MAJOR, "slot failed", _RED, "x-thin-open"),   # refilled, or its host excluded
     EventKind("replan", MAJOR, "re-plan", _PURPLE, "diamond"),
     EventKind("rebalance", MAJOR, "rebalance", _CYAN, "bowtie"),
     EventKind("stall", MAJOR, "stall", _AMBER, "hourglass"),

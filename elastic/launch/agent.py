@@ -26,8 +26,10 @@ import select
 import signal
 import socket
 import sys
+import time
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..restart import (AGENT_CHILD_ENV, CUT_OFF_EXIT, HANDOFF_ENV, RESTART_EXIT, handoff_files,
                        handoff_out, handoff_path, put_mark, rendezvous_server)
@@ -35,6 +37,7 @@ from .target import Target
 
 MAX_RESTARTS = 20   # replacements of one slot's worker in a row (a worker that keeps
                     # asking to be replaced would otherwise never give its slot back)
+REFILL_WINDOW_S = 60.0   # a host whose workers fail twice within this is given up on
 
 SOCKET_PREFIX = "\0regatta-agent-"   # abstract unix socket: nothing to clean up on disk
 NAMESPACE_ENV = "REGATTA_AGENT_NAMESPACE"
@@ -100,21 +103,39 @@ def run_child(request: dict, fds: list[int]) -> None:
         os._exit(code)
 
 
+def verdict(code: int, siblings: int, since_last_failure: float, window: float) -> str:
+    """What a worker's failure costs: ``refilled`` (its slot only) or ``host_excluded``.
+
+    Horovod excludes the whole host of a failed worker (its issue #1965), and the healthy
+    workers beside it with it: on an 8-GPU node one crashed process costs eight. While
+    another worker of the host lives, the host is evidently up, so a crashed worker (killed
+    by a signal: the OOM killer, a segfault) gets a fresh one in its slot, which joins the
+    survivors' recovery as a replacement does (elastic/restart.py) and horovodrun never
+    sees a failure. The host's only worker failing, a worker that exited with an error (it
+    would fail again), or a second failure within ``window`` seconds go to horovodrun,
+    which excludes the host (and, given a cooldown, may take it back later)."""
+    crashed = code < 0
+    return "refilled" if crashed and siblings > 0 and since_last_failure > window else "host_excluded"
+
+
 @dataclass
 class Child:
     conn: socket.socket      # the shim's connection
     request: dict
     fds: list                # the shim's stdio, kept for a replacement
     restarts: int = 0
+    orphaned: bool = False   # its shim died: nobody to start a replacement for
 
 
 class Agent:
-    def __init__(self, host: str):
+    def __init__(self, host: str, refill_window: float = REFILL_WINDOW_S):
         self.host = host
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(socket_name(host))
         self.listener.listen(64)
         self.children: dict[int, Child] = {}
+        self.refill_window = refill_window
+        self.last_failure = float("-inf")   # monotonic time of the last slot this host refilled
 
     def serve_forever(self) -> None:
         while True:
@@ -138,13 +159,21 @@ class Agent:
         pid = os.fork()
         if pid == 0:
             self.listener.close()
+            # Nothing of the other slots' shims: a worker holding another shim's output
+            # open keeps horovodrun from seeing that shim end (it reads to the end first).
             for other in self.children.values():
                 other.conn.close()
+                for fd in other.fds:
+                    os.close(fd)
             child.conn.close()
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            run_child(child.request, [os.dup(fd) for fd in child.fds])
-        child.conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+            run_child(child.request, child.fds)
         self.children[pid] = child
+        try:
+            child.conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        except OSError:   # the shim died meanwhile: its worker must not outlive it
+            child.orphaned = True
+            os.kill(pid, signal.SIGKILL)
         tell({"spawn": pid, "host": env.get("HOROVOD_HOSTNAME", self.host),
               "slot": int(env.get("HOROVOD_LOCAL_RANK", 0)), "restarts": child.restarts})
 
@@ -152,6 +181,7 @@ class Agent:
         """The shim died (horovodrun killed it): its worker must not outlive it."""
         for pid, child in list(self.children.items()):
             if child.conn is conn:
+                child.orphaned = True
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -171,6 +201,20 @@ class Agent:
             if child is not None:
                 self._ended(pid, child, code)
 
+    def _refilled(self, pid: int, child: Child, code: int, handoff: Path) -> bool:
+        """Whether a worker that failed got a fresh one in its slot (see :func:`verdict`)."""
+        if child.orphaned or -code in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            return False   # stopped on purpose (the job or the launcher ending)
+        env = child.request["env"]
+        now = time.monotonic()
+        action = verdict(code, len(self.children), now - self.last_failure, self.refill_window)
+        self.last_failure = now
+        tell({"slot_failed": pid, "host": env.get("HOROVOD_HOSTNAME", self.host),
+              "slot": int(env.get("HOROVOD_LOCAL_RANK", 0)), "code": code, "action": action})
+        if action == "refilled":   # as a replacement with nothing handed over: it asks the
+            self._spawn(child, handoff=str(handoff))   # driver for its place; the sync fills it
+        return action == "refilled"
+
     def _ended(self, pid: int, child: Child, code: int) -> None:
         """A worker asked to be replaced (see elastic/restart.py), or ended for good: then
         a death marks the rendezvous of the world it belonged to, before the shim tells
@@ -188,6 +232,8 @@ class Agent:
             leftover.unlink(missing_ok=True)
         if code not in (0, CUT_OFF_EXIT):   # one cut off cannot reach the driver anyway
             put_mark(rendezvous_server(env), f"{env.get('HOROVOD_HOSTNAME')} pid {pid} exit {code}")
+            if self._refilled(pid, child, code, handoff):
+                return
         try:
             child.conn.sendall(json.dumps({"exit": code}).encode() + b"\n")
         except OSError:
@@ -197,9 +243,9 @@ class Agent:
             os.close(fd)
 
 
-def serve(host: str) -> None:
+def serve(host: str, refill_window: float = REFILL_WINDOW_S) -> None:
     """Be ``host``'s agent until told to stop. Never returns."""
-    agent = Agent(host)
+    agent = Agent(host, refill_window)
     tell({"ready": os.getpid(), "host": host})
     # Told to stop: at once, without tearing down the preloaded libraries (seconds under
     # load); the workers it forked get the same signal from the launcher (one group).
@@ -229,7 +275,7 @@ def serve_hosts_on_stdin() -> None:
                     from .netns import join
                     join(request["netns"])
                 name_process(request["host"])
-                serve(request["host"])
+                serve(request["host"], request.get("refill_window", REFILL_WINDOW_S))
             except BaseException as err:   # said on the shared stdout, or the launcher waits
                 tell({"failed": request["host"], "error": f"{type(err).__name__}: {err}"})
                 os._exit(1)
@@ -244,11 +290,14 @@ def main(argv: list[str] | None = None) -> None:
     which.add_argument("--hosts-on-stdin", action="store_true",
                        help="fork an agent per host named on stdin (simulated hosts)")
     parser.add_argument("--preload", action="append", default=[], metavar="MODULE")
+    parser.add_argument("--refill-window", type=float, default=REFILL_WINDOW_S, metavar="SECONDS",
+                        help="a crashed worker's slot is refilled while another worker of the "
+                             "host lives, unless one was refilled within SECONDS (default 60)")
     args = parser.parse_args(argv)
     warm_up(args.preload)
     if args.hosts_on_stdin:
         serve_hosts_on_stdin()
-    serve(args.host)
+    serve(args.host, args.refill_window)
 
 
 if __name__ == "__main__":

@@ -24,8 +24,9 @@ from .agent import NAMESPACE_ENV
 class Workers:
     """Which process is the training process of (host, slot) right now."""
 
-    def __init__(self, namespace: str) -> None:
+    def __init__(self, namespace: str, on_slot_failed=None) -> None:
         self.namespace = namespace
+        self.on_slot_failed = on_slot_failed   # called with the agent's word on a failed slot
         self._lock = threading.Lock()
         self._live: dict[int, tuple[str, int]] = {}   # pid -> (host, slot), from agents
 
@@ -42,6 +43,10 @@ class Workers:
                         self._live[message["spawn"]] = (message["host"], message["slot"])
                     elif "exit" in message:
                         self._live.pop(message["exit"], None)
+                if "slot_failed" in message and self.on_slot_failed is not None:
+                    self.on_slot_failed({"target": message["host"], "slot": message["slot"],
+                                         "pid": message["slot_failed"], "code": message["code"],
+                                         "action": message["action"]})
         threading.Thread(target=read, name="regatta-agent-reader", daemon=True).start()
 
     def pids(self, host: str, slot: int | None = None) -> list[tuple[int, int]]:

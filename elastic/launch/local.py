@@ -77,6 +77,7 @@ def horovodrun_command(plan: LocalPlan, hosts_file: Path, interface: str) -> lis
             "--min-np", str(plan.slots), "--max-np", str(plan.max_np),
             "--host-discovery-script", f"{DISCOVER} {hosts_file}",
             "--network-interface", interface, "--gloo-timeout-seconds", str(plan.gloo_timeout),
+            *(["--blacklist-cooldown-range", *map(str, plan.cooldown)] if plan.cooldown else []),
             *python, *worker_target(plan).python_args(), "--run-dir", plan.run_dir,
             "--steps", str(plan.steps), "--commit-every", str(plan.commit_every),
             "--no-progress", *job, *plan.job_args]
@@ -169,7 +170,8 @@ def _run_here(plan: LocalPlan, kind: str) -> dict:
     log = EventLog(run_dir, "launcher", 0, sink=sink, run_id=run_id)
     log.record("launch", None, hosts=[h.name for h in hosts], slots=plan.slots, network=kind,
                plan=plan.to_json())
-    workers = Workers(agent_namespace(plan))
+    workers = Workers(agent_namespace(plan), on_slot_failed=lambda failed: log.record(
+        "slot_failed", _step_reached(plan), **failed))
     with ExitStack() as stack:
         stopping = stack.enter_context(Stopping())
         stack.enter_context(loopback.aliases(plan.every_host()))
@@ -297,7 +299,8 @@ def warm_agents(plan: LocalPlan, network, workers: Workers, agent_dir: str,
             hosts = plan.every_host()
             for host in hosts:
                 holder = network.hosts[host].holder.pid if network is not None else None
-                agents[0].stdin.write(json.dumps({"host": host, "netns": holder}) + "\n")
+                agents[0].stdin.write(json.dumps({"host": host, "netns": holder,
+                                                  "refill_window": plan.refill_window}) + "\n")
             agents[0].stdin.flush()
             for _ in range(len(hosts) + 1):   # the warm process first, then each host's agent
                 line = agents[0].stdout.readline()
@@ -308,6 +311,11 @@ def warm_agents(plan: LocalPlan, network, workers: Workers, agent_dir: str,
         yield
     finally:
         stop_tree(*agents)
+
+
+def _step_reached(plan: LocalPlan) -> int | None:
+    seen = read_progress(plan.run_dir)
+    return seen[0] if seen else None
 
 
 def _apply(action: str, name: str, hosts: list[Host], slots: int) -> list[Host]:

@@ -53,6 +53,8 @@ class LocalPlan:
     module: str = ""        # worker module or script; default: the job (benchmarks run a stock loop)
     warm_agents: bool = True   # fork workers from a warm agent per host (elastic.launch.agent)
     seed: int = 0           # for the instants of outside faults
+    refill_window: float = 60.0   # seconds: see elastic.launch.agent.Agent._refilled
+    cooldown: list = field(default_factory=list)   # [MIN, MAX] s before an excluded host returns
 
     def __post_init__(self) -> None:
         if self.hosts < 1 or self.slots < 1:
@@ -79,6 +81,11 @@ class LocalPlan:
         for host in self.bandwidth:
             if host not in known:
                 raise PlanError(f"--bandwidth: host {host} is not one of this run's hosts")
+        if self.refill_window < 0:
+            raise PlanError(f"--refill-window must be >= 0 seconds, got {self.refill_window}")
+        if self.cooldown and not (len(self.cooldown) == 2 and 1 <= self.cooldown[0] <= self.cooldown[1] <= 3600):
+            raise PlanError(f"--cooldown {':'.join(map(str, self.cooldown))}: must be MIN:MAX "
+                            "whole seconds with 1 <= MIN <= MAX <= 3600 (horovodrun's bounds)")
 
     def initial_hosts(self) -> list[str]:
         return [loopback.host_name(i) for i in range(self.hosts)]
@@ -202,6 +209,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="start each worker as a fresh Python process (no warm agents)")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0, help="for the instants of outside faults")
+    p.add_argument("--refill-window", type=float, default=60.0, metavar="SECONDS",
+                   help="a crashed worker's slot gets a fresh worker while another worker of its "
+                        "host lives, unless the host had a failure within SECONDS (then horovodrun "
+                        "excludes the host)")
+    p.add_argument("--cooldown", default="", metavar="MIN:MAX",
+                   help="an excluded host may come back after MIN..MAX seconds, doubling each time "
+                        "(horovodrun --blacklist-cooldown-range); default: never")
     p.add_argument("--module", default="", help=argparse.SUPPRESS)   # benchmarks' stock loop
     p.set_defaults(job_args=[])   # whatever follows `--` goes to the job
 
@@ -244,7 +258,17 @@ def plan_from_args(args: argparse.Namespace) -> LocalPlan:
                      db=args.db, ingest=args.ingest, gloo_timeout=args.gloo_timeout,
                      fast_recovery=not args.stock_recovery, timeout=args.timeout,
                      job_args=args.job_args, module=args.module,
-                     warm_agents=not args.cold_workers, seed=args.seed)
+                     warm_agents=not args.cold_workers, seed=args.seed,
+                     refill_window=args.refill_window, cooldown=_cooldown(args.cooldown))
+
+
+def _cooldown(value: str) -> list:
+    if not value:
+        return []
+    low, sep, high = value.partition(":")
+    if not (sep and low.isdigit() and high.isdigit()):
+        raise PlanError(f"--cooldown {value!r} must look like MIN:MAX (whole seconds)")
+    return [int(low), int(high)]
 
 
 def parse_plan(argv: list[str]) -> LocalPlan:

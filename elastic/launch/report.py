@@ -19,6 +19,11 @@ def recovery(events: list[dict], trigger: dict, until: float) -> dict:
     resumed = next((e for e in events if e["kind"] == "resumed"
                     and trigger["wall_time"] <= e["wall_time"] < until), None)
     out["size_after"] = None if resumed is None else resumed["size"]
+    # what the host's agent made of it (elastic.launch.agent): the slot refilled, or the
+    # whole host left to horovodrun to exclude
+    failed = next((e for e in events if e["kind"] == "slot_failed" and e.get("target") == trigger.get("target", trigger["host"])
+                   and trigger["wall_time"] <= e["wall_time"] < until), None)
+    out["slot_action"] = None if failed is None else failed["action"]
     return out
 
 
