@@ -20,6 +20,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 
 log = logging.getLogger("regatta.monitor.spool")
 
@@ -51,6 +52,24 @@ def claim(path: str):
     return None
 
 
+def _open_locked(path: str, patience_s: float = 1.0):
+    """``path`` opened for appending and locked. A new file exists for an instant before
+    its lock: a producer starting at that instant (restarted workers start together) may
+    take it for a dead one's, adopt it (empty) and remove it. Then open it anew."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        fh = open(path, "a+b")
+        try:
+            if try_lock(fh) and os.stat(path).st_ino == os.fstat(fh.fileno()).st_ino:
+                return fh
+        except FileNotFoundError:   # removed after we locked it
+            pass
+        fh.close()
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"spool {path} is owned by another live process")
+        time.sleep(0.01)
+
+
 def _encode(rows: list[dict]) -> bytes:
     return b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in rows)
 
@@ -72,10 +91,7 @@ class Spool:
         self.path = path
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self._mutex = threading.Lock()
-        self._fh = open(path, "a+b")
-        if not try_lock(self._fh):
-            self._fh.close()
-            raise RuntimeError(f"spool {path} is owned by another live process")
+        self._fh = _open_locked(path)
         if os.path.exists(self._compacting):   # a rewrite cut short: the original is whole
             os.unlink(self._compacting)
         self._fh.seek(0)

@@ -206,6 +206,59 @@ def test_a_rewritten_spool_keeps_its_rows_and_its_lock(tmp_path):
     fh.close()
 
 
+def test_a_new_spool_taken_for_a_dead_ones_is_opened_anew(tmp_path):
+    """A new spool exists for an instant before its lock; a producer starting then may
+    claim it as a dead one's and remove it. Its owner must not end up holding a removed
+    file (its rows would vanish, its close fail): it opens the name anew."""
+    import threading
+    from monitor.spool import claim, try_lock
+    path = tmp_path / "t.new-1-aaaaaa.jsonl"
+    adopter = open(path, "a+b")
+    assert try_lock(adopter)          # the adopter got there first
+
+    def adopt_and_remove():
+        time.sleep(0.1)
+        os.unlink(path)
+        adopter.close()
+
+    threading.Thread(target=adopt_and_remove).start()
+    spool = Spool(str(path))          # was: "owned by another live process"
+    assert path.exists() and claim(str(path)) is None     # its own, locked
+    spool.append([dict(step_row(0, 0), uid="u0")])
+    spool.close()
+    assert len(path.read_text().splitlines()) == 1
+
+
+def _start_producers(folder: str, name: str, rounds: int, out) -> None:
+    """Start a producer again and again, adopting what the dead left, as restarted
+    workers do; each leaves one undelivered row."""
+    lost = 0
+    for i in range(rounds):
+        spool = Spool(os.path.join(folder, f"t.{name}-{i}.jsonl"))
+        spool.adopt("t.*.jsonl")
+        spool.append([{"uid": f"{name}:{i}"}])
+        try:
+            spool.close()
+        except FileNotFoundError:     # its file had been adopted away under it
+            lost += 1
+    out.put(lost)
+
+
+def test_producers_starting_together_lose_no_row(tmp_path):
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_start_producers, args=(str(tmp_path), f"p{k}", 150, out))
+             for k in range(4)]
+    for proc in procs:
+        proc.start()
+    lost = [out.get(timeout=120) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=30)
+    assert lost == [0, 0, 0, 0]
+    uids = [json.loads(line)["uid"] for f in tmp_path.glob("t.*.jsonl") for line in f.read_text().splitlines()]
+    assert sorted(uids) == sorted(f"p{k}:{i}" for k in range(4) for i in range(150))
+
+
 def test_sqlite_destinations_are_absolute(tmp_path, monkeypatch):
     """Two checkouts' relative ``runs/team.db`` are two stores: their spools differ."""
     from monitor.sink import destination_of
