@@ -135,7 +135,7 @@ class Agent:
         self.listener.listen(64)
         self.children: dict[int, Child] = {}
         self.refill_window = refill_window
-        self.last_failure = float("-inf")   # monotonic time of the last slot this host refilled
+        self.last_failure = float("-inf")   # monotonic time of this host's last failed worker
 
     def serve_forever(self) -> None:
         while True:
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preload", action="append", default=[], metavar="MODULE")
     parser.add_argument("--refill-window", type=float, default=REFILL_WINDOW_S, metavar="SECONDS",
                         help="a crashed worker's slot is refilled while another worker of the "
-                             "host lives, unless one was refilled within SECONDS (default 60)")
+                             "host lives, unless the host had a failure within SECONDS (default 60)")
     args = parser.parse_args(argv)
     warm_up(args.preload)
     if args.hosts_on_stdin:

@@ -16,6 +16,7 @@ import argparse
 from dataclasses import asdict, dataclass, field
 
 from . import loopback
+from .agent import REFILL_WINDOW_S
 from .target import Target
 
 OUTSIDE = ("sigkill", "stop", "vanish", "partition")
@@ -53,7 +54,7 @@ class LocalPlan:
     module: str = ""        # worker module or script; default: the job (benchmarks run a stock loop)
     warm_agents: bool = True   # fork workers from a warm agent per host (elastic.launch.agent)
     seed: int = 0           # for the instants of outside faults
-    refill_window: float = 60.0   # seconds: see elastic.launch.agent.Agent._refilled
+    refill_window: float = REFILL_WINDOW_S   # seconds: see elastic.launch.agent.verdict
     cooldown: list = field(default_factory=list)   # [MIN, MAX] s before an excluded host returns
 
     def __post_init__(self) -> None:
@@ -209,7 +210,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="start each worker as a fresh Python process (no warm agents)")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0, help="for the instants of outside faults")
-    p.add_argument("--refill-window", type=float, default=60.0, metavar="SECONDS",
+    p.add_argument("--refill-window", type=float, default=REFILL_WINDOW_S, metavar="SECONDS",
                    help="a crashed worker's slot gets a fresh worker while another worker of its "
                         "host lives, unless the host had a failure within SECONDS (then horovodrun "
                         "excludes the host)")
