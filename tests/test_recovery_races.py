@@ -76,9 +76,14 @@ def killed_connecting(tmp_path_factory):
     then host 4 itself is past it before it counts its connections, and never dies).
     Measured here, Gloo aborted someone in 6 runs of 17, so the run is repeated, up to 3
     times, until it does. Every attempt must recover, whichever place each survivor was
-    in. The agent's side of the abort path is tested without a race in test_agent.py."""
-    attempts = []
-    for _ in range(3):
+    in. The agent's side of the abort path is tested without a race in test_agent.py.
+
+    An attempt that lost a worker before either kill struck never reached the race (seen
+    once on a loaded machine: horovodrun's rendezvous server dropped a starting worker's
+    registration after its 3 s request timeout, and the host was gone before step 60); it is
+    run again, at most twice."""
+    attempts, lost_at_start = [], []
+    while len(attempts) < 3:
         tmp = tmp_path_factory.mktemp("connecting")
         report = tmp / "report.json"
         done = run([str(BIN / "regatta"), "local", "digits", "--hosts", "5", "--steps", "120",
@@ -86,11 +91,23 @@ def killed_connecting(tmp_path_factory):
                     "--run-dir", str(tmp / "run"), "--report", str(report), "--timeout", "150"],
                    timeout=170, env={"REGATTA_AUDIT": "1"}, check=False)
         log = (tmp / "run" / "horovodrun.log").read_text()
-        attempts.append((done, json.loads(report.read_text()), log))
+        attempt = (done, json.loads(report.read_text()), log)
+        if failed_before_the_kills(attempt[1]):
+            lost_at_start.append(failed_before_the_kills(attempt[1]))
+            assert len(lost_at_start) <= 2, (lost_at_start, log[-3000:])
+            continue
+        attempts.append(attempt)
         if GLOO_ABORT in log or done.returncode != 0:
             break
-    print("attempts", len(attempts), "aborted", [log.count(GLOO_ABORT) for *_, log in attempts])
+    print("attempts", len(attempts), "aborted", [log.count(GLOO_ABORT) for *_, log in attempts],
+          "run again (a worker lost before the kills)", lost_at_start)
     return attempts
+
+
+def failed_before_the_kills(report) -> list:
+    """The launcher's record of workers that failed before the first planned kill."""
+    first_kill = min((e["wall_time"] for e in kinds(report, "kill_injected")), default=float("inf"))
+    return [(e["target"], e["code"]) for e in kinds(report, "slot_failed") if e["wall_time"] < first_kill]
 
 
 def test_every_attempt_finishes_on_the_survivors(killed_connecting):
