@@ -111,6 +111,16 @@ def test_bad_fault_options(args, message):
     assert message in str(err.value)
 
 
+def test_a_host_removed_and_added_again_is_one_host():
+    """One agent and one namespace per host: listing it twice started two agents on one
+    address (the launcher died with "Address already in use")."""
+    plan = parse_plan(["digits", "--hosts", "2", "--slots", "2", "--steps", "900", "--add", "@100",
+                       "--remove", "127.0.0.4@300", "--add", "127.0.0.4@500", "--remove", "2@700",
+                       "--add", "2@800"])
+    assert plan.every_host() == ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+    assert plan.max_np == 6
+
+
 def test_outside_faults_are_planned_as_given():
     plan = parse_plan(["digits", "--hosts", "3", "--steps", "100", "--sigkill", "2/1@40",
                        "--sigkill", "3@40+0.25", "--partition", "1@60:4.5", "--bandwidth", "2:20mbit"])

@@ -92,11 +92,13 @@ class LocalPlan:
         return [loopback.host_name(i) for i in range(self.hosts)]
 
     def every_host(self) -> list[str]:
-        return self.initial_hosts() + [h for h, _ in self.add if h not in self.initial_hosts()]
+        """Each host the run may ever list, once (a host removed and added again is one
+        host: one agent, one namespace)."""
+        return list(dict.fromkeys(self.initial_hosts() + [h for h, _ in self.add]))
 
     @property
     def max_np(self) -> int:
-        return (self.hosts + len(self.add)) * self.slots
+        return len(self.every_host()) * self.slots
 
     def needs_netns(self) -> list[str]:
         return sorted({f"--{f['fault']}" for f in self.faults if f["fault"] in NEEDS_NETNS}
