@@ -140,7 +140,7 @@ class FastRecovery:
             self._take_place()
             # Out under this worker's name at once: replaced again before it loads the
             # commit (the world it joined was doomed too), its successor still finds it.
-            self._handoff = Handoff(restart.own_handoff_path(), None,
+            self._handoff = Handoff(restart.own_handoff_path(), None, placed=True,
                                     predecessor=Path(os.environ[restart.HANDOFF_ENV]))
         if not first:
             restart.await_assignment()
@@ -244,20 +244,24 @@ class FastRecovery:
         server = restart.rendezvous_server()
         went_down, severed, assigned_at = not hvd.is_initialized(), False, None
         doomed = self.entered and self.dies_connecting(self.heartbeat.step)
+        placed = False
         while self._forming and self._episode == episode:
-            time.sleep(0.0002 if doomed else 0.02)
+            # Quick until placed: the agent must not take a placed rank for a removed one.
+            time.sleep(0.0002 if doomed else 0.02 if placed else 0.002)
             initialised = hvd.is_initialized()
             if doomed and went_down and restart.assigned() and self._last_connection_due():
                 FaultPlan.kill_now(self.events, self.heartbeat.step, connecting=True)
             went_down = went_down or not initialised
+            if went_down and not placed and restart.assigned():
+                placed = True
+                if self._handoff is not None:
+                    self._handoff.describe(restart.current_slot(), placed=True)   # local ranks move
             if went_down and initialised:
                 if not severed and restart.marked(server):
                     count = sever(self.baseline.gloo_connections(exclude_fds=set()))
                     self.events.record("severed_while_recovering", self.heartbeat.step, severed=count)
                     severed = True
             elif went_down and restart.assigned():
-                if assigned_at is None and self._handoff is not None:
-                    self._handoff.describe(restart.current_slot())   # local ranks move
                 assigned_at = assigned_at or time.time()
                 if restart.marked(server):
                     self._restart_in_place("a peer died during the rendezvous")
@@ -315,13 +319,16 @@ class FastRecovery:
 class Handoff:
     """This rank's commit, left for the worker that may replace it while the world
     re-forms. The description (its slot) goes first and at once: it is what tells the
-    agent that an abort now is Gloo's, not a death. The commit is written beside it in the
-    background, overlapping the rendezvous; a replacement that finds no commit (an abort
-    before it was written) joins stateless, and the sync takes the bytes from the others."""
+    agent that an abort now is Gloo's, not a death; it says ``placed`` from the moment the
+    driver has given this slot its place (before that, only a removal aborts a worker).
+    The commit is written beside it in the background, overlapping the rendezvous; a
+    replacement that finds no commit (an abort before it was written) joins stateless,
+    and the sync takes the bytes from the others."""
 
-    def __init__(self, path: Path, state, predecessor: Path | None = None) -> None:
+    def __init__(self, path: Path, state, predecessor: Path | None = None,
+                 placed: bool = False) -> None:
         self.path = path
-        self.describe(restart.current_slot())
+        self.describe(restart.current_slot(), placed)
         if predecessor is not None:
             for mine, theirs in zip(restart.handoff_files(path), restart.handoff_files(predecessor)):
                 if theirs.exists() and mine.suffix != ".json":
@@ -331,8 +338,8 @@ class Handoff:
                                         name="regatta-handoff", daemon=True)
         self._writer.start()
 
-    def describe(self, slot: int) -> None:
-        restart.describe_handoff(self.path, slot)
+    def describe(self, slot: int, placed: bool = False) -> None:
+        restart.describe_handoff(self.path, slot, placed)
 
     def _write(self, state) -> None:
         if state is not None:

@@ -152,11 +152,12 @@ def take_assignment(host: str) -> bool:
     return True
 
 
-def describe_handoff(path: Path, slot: int) -> None:
-    """Beside the hand-off: the slot it belongs to now (local ranks move on resets).
-    Written whole or not at all: the agent reads its presence, the replacement its slot."""
+def describe_handoff(path: Path, slot: int, placed: bool = False) -> None:
+    """Beside the hand-off: the slot it belongs to now (local ranks move on resets), and
+    whether the driver has placed it in the world forming. Written whole or not at all:
+    the agent reads its presence and ``placed``, the replacement its slot."""
     draft = Path(f"{path}.json.tmp")
-    draft.write_text(json.dumps({"slot": slot}))
+    draft.write_text(json.dumps({"slot": slot, "placed": placed}))
     os.replace(draft, f"{path}.json")
 
 
@@ -168,6 +169,17 @@ def handoff_files(path: Path) -> list[Path]:
 def handoff_out(path: Path) -> bool:
     """Whether the worker whose hand-off is ``path`` was re-forming the world when it ended."""
     return Path(f"{path}.json").exists()
+
+
+def handoff_placed(path: Path) -> bool:
+    """Whether the worker whose hand-off is ``path`` had its place in the world forming.
+    One that ended re-forming without a place was left out by the driver: Horovod aborts
+    a worker whose host was removed ("has been removed from elastic job") as soon as the
+    driver answers it, before any connection is made."""
+    try:
+        return bool(json.loads(Path(f"{path}.json").read_text()).get("placed"))
+    except (FileNotFoundError, ValueError, AttributeError):
+        return False
 
 
 def handed_slot(path: Path) -> int | None:

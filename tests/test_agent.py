@@ -4,10 +4,12 @@ import json
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
 from conftest import PYTHON, ROOT, kill_tree
+from elastic import restart
 
 JOB = ["-m", "jobs.digits", "--steps", "30", "--no-progress", "--db", ""]
 
@@ -62,6 +64,18 @@ def test_worker_aborted_while_re_forming_is_replaced_with_its_handoff(agent):
     assert proc.returncode == 0, out
     handed = out.split("handoff out at ")[1].split()[0]
     assert f"replacement of {handed} slot 1" in out
+
+
+def test_worker_left_out_of_the_world_forming_is_not_replaced(agent):
+    """Horovod aborts the worker of a removed host when the driver gives it no place: a
+    replacement would ask the driver for a place and be counted in the next rendezvous
+    (tests/test_elastic.py shows the stall that caused). The shim exits with the abort and
+    the hand-off is cleared."""
+    proc = shim(agent, job=(ABORTS,), args=("--handoff", "--unplaced"))
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGABRT and "replacement" not in out, out
+    handed = out.split("handoff out at ")[1].split()[0]
+    assert not any(p.exists() for p in restart.handoff_files(Path(handed)))
 
 
 def test_worker_aborted_while_training_is_reported_as_aborted(agent):

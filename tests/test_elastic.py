@@ -127,6 +127,23 @@ def test_added_host_joins_with_committed_state(tmp_path):
     assert len(finals) == 3 and len({f["param_hash"] for f in finals}) == 1
 
 
+def test_a_host_removed_then_added_again_joins_at_once(tmp_path):
+    """A drained node coming back. Horovod aborts the removed host's worker; its agent
+    used to replace it as if Gloo had aborted it, the replacement asked the driver for a
+    place and was counted in the next rendezvous, one survivor missed it, and the next
+    addition stalled 30 s (Gloo's timeout) and lost the added host."""
+    report = regatta_local(tmp_path, "digits", "--hosts", "2", "--steps", "1500",
+                           "--commit-every", str(K), "--add", "@100", "--remove", "127.0.0.4@400",
+                           "--add", "127.0.0.4@700")
+    assert report["exit_code"] == 0
+    assert (report["final_step"], report["final_world_size"]) == (1500, 3)
+    assert [(c["kind"], c["host"], c["size_after"]) for c in report["changes"]] == [
+        ("host_added", "127.0.0.4", 3), ("host_removed", "127.0.0.4", 2), ("host_added", "127.0.0.4", 3)]
+    again = report["changes"][2]
+    assert again["first_step_done_s"] < 15 and again["steps_redone"] == 0
+    assert kinds(report, "slot_failed") == [] and kinds(report, "no_place") == []
+
+
 def test_stalled_rank_is_not_declared_dead_and_healthy_run_never_resets(tmp_path):
     report = regatta_local(tmp_path, "digits", "--hosts", "2", "--steps", "1000",
                            "--commit-every", str(K), "--pause", "2@300:10", timeout=300)

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..restart import (AGENT_CHILD_ENV, CUT_OFF_EXIT, HANDOFF_ENV, RESTART_EXIT, handoff_files,
-                       handoff_out, handoff_path, put_mark, rendezvous_server)
+                       handoff_out, handoff_path, handoff_placed, put_mark,
+                       rendezvous_server)
 from .target import Target
 
 MAX_RESTARTS = 20   # replacements of one slot's worker in a row (a worker that keeps
@@ -221,8 +222,18 @@ class Agent:
         horovodrun, so that no survivor waits for it there."""
         env = child.request["env"]
         handoff = handoff_path(env.get("HOROVOD_HOSTNAME", ""), pid)
-        # SIGABRT with its hand-off out: Gloo aborted it for a peer's death (restart.py)
-        replace = code == RESTART_EXIT or (code == -signal.SIGABRT and handoff_out(handoff))
+        aborted_forming = code == -signal.SIGABRT and handoff_out(handoff)
+        if aborted_forming and not handoff_placed(handoff):
+            # The driver left its slot out of the world forming (its host was removed):
+            # nobody waits for it and there is no place to refill. A replacement would ask
+            # the driver for a place all the same and be counted in the next rendezvous.
+            for leftover in handoff_files(handoff):
+                leftover.unlink(missing_ok=True)
+            tell({"left_out": pid, "code": code})
+            self._tell_shim(child, code)
+            return
+        # SIGABRT with its hand-off out, placed: Gloo aborted it for a peer's death (restart.py)
+        replace = code == RESTART_EXIT or aborted_forming
         if replace and child.restarts < MAX_RESTARTS:
             child.restarts += 1
             tell({"replace": pid, "code": code})
@@ -234,6 +245,10 @@ class Agent:
             put_mark(rendezvous_server(env), f"{env.get('HOROVOD_HOSTNAME')} pid {pid} exit {code}")
             if self._refilled(pid, child, code, handoff):
                 return
+        self._tell_shim(child, code)
+
+    def _tell_shim(self, child: Child, code: int) -> None:
+        """The slot's worker ended for good: its shim exits with ``code``."""
         try:
             child.conn.sendall(json.dumps({"exit": code}).encode() + b"\n")
         except OSError:

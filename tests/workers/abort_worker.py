@@ -1,11 +1,10 @@
 """A worker that Gloo would abort: it leaves a hand-off (or not) and calls abort().
 
-    HOROVOD_HOSTNAME=H python -m elastic.launch.shim tests/workers/abort_worker.py [--handoff]
+    HOROVOD_HOSTNAME=H python -m elastic.launch.shim tests/workers/abort_worker.py [--handoff [--unplaced]]
 
 Run by a warm agent (tests/test_agent.py). A replacement (REGATTA_HANDOFF set) says which
 hand-off it was given, and whether its files are still there to load, then exits 0.
 """
-import json
 import os
 import sys
 from pathlib import Path
@@ -20,6 +19,8 @@ if inherited:
     sys.exit(0)
 if "--handoff" in sys.argv:   # re-forming the world: the description goes out first
     mine = restart.own_handoff_path()
-    Path(f"{mine}.json").write_text(json.dumps({"slot": 1}))
+    # --unplaced: aborted before the driver gave it a place, as Horovod aborts the worker
+    # of a removed host
+    restart.describe_handoff(mine, 1, placed="--unplaced" not in sys.argv)
     print("handoff out at", mine, flush=True)
 os.abort()
