@@ -27,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.percentiles import percentile   # noqa: E402
 from elastic.launch.loopback import host_name   # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,9 +138,7 @@ def sample_errors(run_dir: Path) -> tuple[int, int] | None:
 def spread(values: list[float]) -> str:
     if not values:
         return "-"
-    ordered = sorted(values)
-    p95 = ordered[min(len(ordered) - 1, int(round(0.95 * (len(ordered) - 1))))]
-    return f"{statistics.median(ordered):6.2f} {p95:6.2f} {max(ordered):6.2f}"
+    return f"{statistics.median(values):6.2f} {percentile(values, 0.95):6.2f} {max(values):6.2f}"
 
 
 def main() -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.percentiles import percentile   # noqa: E402
 from elastic.launch import netns   # noqa: E402
 from elastic.lifeline import Lifeline   # noqa: E402
 from elastic.liveness import Heartbeat   # noqa: E402
@@ -188,11 +189,6 @@ class LightCluster:
         if hasattr(self, "_read_fd"):
             os.close(self._read_fd)
             del self._read_fd
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
 def measure(size: int, kills: int, rng: random.Random) -> dict:

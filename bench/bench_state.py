@@ -1,6 +1,6 @@
 """Elastic state at model scale: Horovod's TorchState (stock) and Regatta side by side.
 
-    .venv/bin/python bench/bench_state.py [--sizes 10M,100M] [--dp 2,3] [--repeats 3]
+    .venv/bin/python bench/bench_state.py [--sizes 10M,100M] [--dp 2,3] [--repeats 3] [--additions 10]
 
 For each model size (an MLP of 10 square layers, Adam) and data-parallel width, both
 flavours run under a real ``horovodrun --gloo`` on this machine (bench/state_worker.py
@@ -13,6 +13,14 @@ the ratio regatta / stock:
 * durable checkpoint: what the training loop waits for, and the write itself;
 * step time while a checkpoint is being written over a step without (rank 0's steps);
 * extra memory per rank for the commit (RSS), and the peak RSS.
+
+Then the time a host takes to join (``--additions`` of them per flavour, 0: none): one
+``regatta local digits`` run per flavour on 2 simulated hosts, a third listed for
+discovery every ADD_EVERY steps and removed half-way to the next (a drained node coming
+back); from the edit of the discovery file to the first step done with the new worker,
+p50 / p95 / max, and the phases of each addition (re-initialised, synced). Stock is
+bench/stock_elastic.py (Horovod's documented loop, fresh Python per worker), as in
+bench_recovery. ``--sizes ""`` skips the state part.
 
 100M parameters x Adam are 1.2 GB of state per rank: mind others sharing the machine.
 """
@@ -28,7 +36,15 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.percentiles import percentile   # noqa: E402
+from elastic.launch.loopback import host_name   # noqa: E402
+
 HOROVODRUN = str(Path(sys.executable).parent / "horovodrun")
+REGATTA_LOCAL = [sys.executable, "-m", "regatta", "local"]
+STOCK_LOOP = ["--module", "bench.stock_elastic", "--stock-recovery", "--cold-workers"]
+ADD_EVERY = 1200    # steps from one addition to the next (stock takes ~400 to add a host)
 FLAVOURS = ("stock", "regatta")
 MB = 1 << 20
 
@@ -94,27 +110,77 @@ def report(params: int, dp: int, results: dict) -> dict:
             "slowdown": ours["slowdown"]}
 
 
+def addition_plan(count: int) -> list[str]:
+    """The third host listed every ADD_EVERY steps and removed half-way to the next."""
+    host, args = host_name(2), []
+    for index in range(count):
+        at = 100 + index * ADD_EVERY
+        args += ["--add", f"{host}@{at}", "--remove", f"{host}@{at + ADD_EVERY // 2}"]
+    return args
+
+
+def additions(flavour: str, count: int, folder: Path) -> list[dict]:
+    """The report's ``host_added`` changes of one run of ``count`` additions."""
+    run = folder / f"additions-{flavour}"
+    cmd = [*REGATTA_LOCAL, "digits", "--hosts", "2", "--steps", str(100 + count * ADD_EVERY),
+           "--commit-every", "10", *addition_plan(count), *(STOCK_LOOP if flavour == "stock" else []),
+           "--timeout", "3000", "--run-dir", str(run), "--report", str(run / "report.json"),
+           "--", "--db", str(folder / "additions.db")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "REGATTA_SPOOL_DIR": str(folder / "spool")}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"additions ({flavour}) failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    report = json.loads((run / "report.json").read_text())
+    return [c for c in report["changes"] if c["kind"] == "host_added"]
+
+
+def report_additions(found: dict, count: int) -> float:
+    """Prints the distributions side by side; regatta's p95 (s)."""
+    print(f"\n== a host joining: {count} additions per flavour (digits, 2 hosts + 1) ==")
+    print(f"{'':10s} {'joined':>7s} {'p50':>7s} {'p95':>7s} {'max':>7s}   "
+          f"{'re-initialised p50':>18s} {'synced p50':>10s}")
+    p95 = {}
+    for flavour, changes in found.items():
+        joined = [c for c in changes if c["size_after"] == 3 and c["first_step_done_s"] is not None]
+        seconds = [c["first_step_done_s"] for c in joined] or [float("nan")]
+        p95[flavour] = percentile(seconds, 0.95)
+        phase = {key: statistics.median([c[key] for c in joined if c[key] is not None] or [float("nan")])
+                 for key in ("reset_done_s", "state_synced_s")}
+        shown = {key: f"{value:.2f}" if value == value else "-" for key, value in phase.items()}
+        print(f"{flavour:10s} {len(joined):3d}/{len(changes):<3d} {statistics.median(seconds):7.2f} "
+              f"{p95[flavour]:7.2f} {max(seconds):7.2f}   {shown['reset_done_s']:>18s} "
+              f"{shown['state_synced_s']:>10s}")
+    print(f"p95 regatta / stock: {p95['regatta'] / p95['stock']:.2f}")
+    return p95["regatta"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="10M,100M")
     parser.add_argument("--dp", default="2,3")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=12, help="steps per checkpoint round")
+    parser.add_argument("--additions", type=int, default=10, help="host additions per flavour (0: none)")
     args = parser.parse_args()
     print("load average at start:", Path("/proc/loadavg").read_text().strip())
     goals, order = {}, list(FLAVOURS)
     with tempfile.TemporaryDirectory(prefix="bench-state-") as tmp:
-        for params in map(parse_size, args.sizes.split(",")):
+        for params in map(parse_size, filter(None, args.sizes.split(","))):
             for dp in map(int, args.dp.split(",")):
                 results = {}
                 for flavour in order:
                     results[flavour] = launch(flavour, params, dp, args.repeats, args.steps, Path(tmp))
                 order.reverse()     # alternate, so load drifts hit both alike
                 goals[params, dp] = report(params, dp, results)
+        if args.additions:
+            found = {flavour: additions(flavour, args.additions, Path(tmp)) for flavour in FLAVOURS}
+            addition_p95 = report_additions(found, args.additions)
     print("\nload average at end:", Path("/proc/loadavg").read_text().strip())
     for (params, dp), goal in goals.items():
         print(f"{params / 1e6:.0f}M dp={dp}: commit memory regatta/stock {goal['memory_ratio']:.2f} "
               f"(goal <= 0.7 at 100M dp=3); step while writing {goal['slowdown']:.3f}x (goal <= 1.05)")
+    if args.additions:
+        print(f"addition p95 {addition_p95:.2f} s (goal <= 1 s)")
 
 
 if __name__ == "__main__":
