@@ -150,6 +150,9 @@ def report_additions(found: dict, count: int) -> float:
         print(f"{flavour:10s} {len(joined):3d}/{len(changes):<3d} {statistics.median(seconds):7.2f} "
               f"{p95[flavour]:7.2f} {max(seconds):7.2f}   {shown['reset_done_s']:>18s} "
               f"{shown['state_synced_s']:>10s}")
+    for flavour, changes in found.items():
+        print(f"{flavour:10s} each (s): " + " ".join(
+            f"{c['first_step_done_s']:.2f}" if c["first_step_done_s"] is not None else "-" for c in changes))
     print(f"p95 regatta / stock: {p95['regatta'] / p95['stock']:.2f}")
     return p95["regatta"]
 
