@@ -253,9 +253,9 @@ class FastRecovery:
                 FaultPlan.kill_now(self.events, self.heartbeat.step, connecting=True)
             went_down = went_down or not initialised
             if went_down and not placed and restart.assigned():
-                placed = True
-                if self._handoff is not None:
-                    self._handoff.describe(restart.current_slot(), placed=True)   # local ranks move
+                placed, handoff = True, self._handoff
+                if handoff is not None:   # withdrawn meanwhile: describe() does nothing
+                    handoff.describe(restart.current_slot(), placed=True)   # local ranks move
             if went_down and initialised:
                 if not severed and restart.marked(server):
                     count = sever(self.baseline.gloo_connections(exclude_fds=set()))
@@ -303,7 +303,7 @@ class FastRecovery:
     def _restart_in_place(self, reason: str) -> None:
         if self._handoff is None:
             return   # no agent, or state that cannot be handed over: Horovod's timeout it is
-        self._handoff.describe(restart.current_slot())
+        self._handoff.describe(restart.current_slot(), placed=restart.assigned())
         written = self._handoff.written()
         self.events.record("restart_in_place", self.heartbeat.step, reason=reason,
                            handoff=written)
@@ -328,6 +328,8 @@ class Handoff:
     def __init__(self, path: Path, state, predecessor: Path | None = None,
                  placed: bool = False) -> None:
         self.path = path
+        self._lock = threading.Lock()   # a description never outlives the withdrawal
+        self._withdrawn = False
         self.describe(restart.current_slot(), placed)
         if predecessor is not None:
             for mine, theirs in zip(restart.handoff_files(path), restart.handoff_files(predecessor)):
@@ -339,7 +341,9 @@ class Handoff:
         self._writer.start()
 
     def describe(self, slot: int, placed: bool = False) -> None:
-        restart.describe_handoff(self.path, slot, placed)
+        with self._lock:
+            if not self._withdrawn:
+                restart.describe_handoff(self.path, slot, placed)
 
     def _write(self, state) -> None:
         if state is not None:
@@ -351,6 +355,8 @@ class Handoff:
         return self.path.exists()
 
     def withdraw(self) -> None:
+        with self._lock:
+            self._withdrawn = True
         self._writer.join()
         for leftover in restart.handoff_files(self.path):
             leftover.unlink(missing_ok=True)

@@ -21,6 +21,7 @@ nothing catches it: the process aborts and its host is counted failed. So nobody
 from __future__ import annotations
 
 import ctypes
+import functools
 import http.client
 import json
 import os
@@ -76,11 +77,16 @@ def marked(server: tuple[str, int] | None) -> bool:
         return False
 
 
-def _c_getenv(name: str) -> str | None:
-    """The environment as C code sees it (Horovod sets its ranks there, not in os.environ)."""
+@functools.cache
+def _libc_getenv():
     getenv = ctypes.CDLL(None).getenv
     getenv.restype = ctypes.c_char_p
-    value = getenv(name.encode())
+    return getenv
+
+
+def _c_getenv(name: str) -> str | None:
+    """The environment as C code sees it (Horovod sets its ranks there, not in os.environ)."""
+    value = _libc_getenv()(name.encode())
     return value.decode() if value is not None else None
 
 
