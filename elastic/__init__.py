@@ -8,6 +8,7 @@
     data/           which samples each rank takes (the global cursor)
     launch/         launcher side: hostfiles, regatta local, warm agents, reports
     lifeline.py, liveness.py, recovery.py   failure and stall detection between ranks, and
-                    how a Horovod worker acts on it
+                    how a Horovod worker acts on it (gloo_sockets.py: severing Gloo;
+                    restart.py, handoff.py: being replaced in place)
     config.py, job.py, optim.py, faults.py   typed configs, the Job protocol, optimizers, fault plans
 """

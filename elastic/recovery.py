@@ -16,7 +16,7 @@ in place (restart.py); after it, the new world's connections are severed as abov
 Gloo can abort a survivor before anyone has marked the rendezvous (a peer's socket closes
 the instant it dies, mid mesh connection): so each re-forming starts by leaving this
 rank's commit where a replacement finds it, and the agent replaces a worker that aborted
-while its hand-off was out (restart.py, :class:`Handoff`).
+while its hand-off was out (restart.py, handoff.py).
 
 The runtime calls :meth:`FastRecovery.before_init` before every (re)initialisation,
 :meth:`FastRecovery.adopt` once its training state exists, :meth:`FastRecovery.enter` on
@@ -34,49 +34,10 @@ import psutil
 
 from . import restart
 from .faults import FaultPlan
+from .gloo_sockets import ConnectionBaseline, sever
+from .handoff import Handoff
 from .lifeline import BuildFailed, Lifeline
 from .liveness import Heartbeat
-
-
-def established() -> set[tuple[int, tuple, tuple]]:
-    """(fd, local address, remote address) of this process's established TCP sockets."""
-    return {(c.fd, tuple(c.laddr), tuple(c.raddr))
-            for c in psutil.Process().net_connections(kind="tcp")
-            if c.status == psutil.CONN_ESTABLISHED and c.fd >= 0 and c.raddr}
-
-
-class ConnectionBaseline:
-    """Remembers the sockets open before ``hvd.init`` so the new ones can be told apart."""
-
-    def __init__(self) -> None:
-        self.before: set = set()
-
-    def mark(self) -> None:
-        self.before = established()
-
-    def gloo_connections(self, exclude_fds: set[int]) -> list[tuple[int, tuple, tuple]]:
-        rendezvous = int(os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT", "0") or 0)
-        return [c for c in established() - self.before
-                if c[0] not in exclude_fds and c[2][1] != rendezvous]
-
-
-def sever(connections: list[tuple[int, tuple, tuple]]) -> int:
-    """Shut down each connection if its fd still names the same connection."""
-    count = 0
-    for fd, local, remote in connections:
-        try:
-            dup = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
-            if dup.getsockname()[:2] == local[:2] and dup.getpeername()[:2] == remote[:2]:
-                dup.shutdown(socket.SHUT_RDWR)
-                count += 1
-        except OSError:
-            pass
-        finally:
-            dup.close()
-    return count
 
 
 def host_address(host: str) -> str:
@@ -314,49 +275,3 @@ class FastRecovery:
         if not restart.take_assignment(os.environ.get("HOROVOD_HOSTNAME", socket.gethostname())):
             self.events.record("no_place", None)
             os._exit(0)
-
-
-class Handoff:
-    """This rank's commit, left for the worker that may replace it while the world
-    re-forms. The description (its slot) goes first and at once: it is what tells the
-    agent that an abort now is Gloo's, not a death; it says ``placed`` from the moment the
-    driver has given this slot its place (before that, only a removal aborts a worker).
-    The commit is written beside it in the background, overlapping the rendezvous; a
-    replacement that finds no commit (an abort before it was written) joins stateless,
-    and the sync takes the bytes from the others."""
-
-    def __init__(self, path: Path, state, predecessor: Path | None = None,
-                 placed: bool = False) -> None:
-        self.path = path
-        self._lock = threading.Lock()   # a description never outlives the withdrawal
-        self._withdrawn = False
-        self.describe(restart.current_slot(), placed)
-        if predecessor is not None:
-            for mine, theirs in zip(restart.handoff_files(path), restart.handoff_files(predecessor)):
-                if theirs.exists() and mine.suffix != ".json":
-                    os.replace(theirs, mine)
-                theirs.unlink(missing_ok=True)
-        self._writer = threading.Thread(target=self._write, args=(state,),
-                                        name="regatta-handoff", daemon=True)
-        self._writer.start()
-
-    def describe(self, slot: int, placed: bool = False) -> None:
-        with self._lock:
-            if not self._withdrawn:
-                restart.describe_handoff(self.path, slot, placed)
-
-    def _write(self, state) -> None:
-        if state is not None:
-            state.write_handoff(self.path)
-
-    def written(self) -> bool:
-        """Waits for the commit's write; whether there is one."""
-        self._writer.join()
-        return self.path.exists()
-
-    def withdraw(self) -> None:
-        with self._lock:
-            self._withdrawn = True
-        self._writer.join()
-        for leftover in restart.handoff_files(self.path):
-            leftover.unlink(missing_ok=True)
