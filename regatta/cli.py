@@ -15,11 +15,6 @@ import json
 import sys
 
 
-def _local_parser(sub) -> None:
-    from elastic.launch.plan import add_arguments
-    add_arguments(sub.add_parser("local", help="run a horovodrun elastic job on simulated local hosts"))
-
-
 def build_local_plan(args):
     from elastic.launch.plan import plan_from_args
     return plan_from_args(args)
@@ -113,30 +108,83 @@ def cmd_check_hosts(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="regatta", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    _local_parser(sub)
+def _local_parser(sub) -> None:
+    from elastic.launch.plan import add_arguments
+    add_arguments(sub.add_parser("local", help="run a horovodrun elastic job on simulated local hosts"))
+
+
+def _check_hosts_parser(sub) -> None:
     check = sub.add_parser("check-hosts", help="validate a hostfile or a discovery script")
     group = check.add_mutually_exclusive_group(required=True)
     group.add_argument("--hostfile")
     group.add_argument("--discovery", metavar="COMMAND")
-    from elastic.pipeline.supervisor import add_arguments as add_supervise_arguments
-    add_supervise_arguments(sub.add_parser(
+
+
+def _supervise_parser(sub) -> None:
+    from elastic.pipeline.supervisor import add_arguments
+    add_arguments(sub.add_parser(
         "supervise", help="run an mpirun pipeline job, relaunching it from its checkpoint "
                           "on the surviving slots when a rank dies"))
-    from elastic.pipeline.planner import add_parser as add_plan_parser, main as cmd_plan
-    add_plan_parser(sub)
-    from webui.serve import add_parser as add_ui_parser, main as cmd_ui
-    add_ui_parser(sub)
-    from monitor.replay import add_parser as add_replay_parser, main as cmd_replay
-    add_replay_parser(sub)
+
+
+def _plan_parser(sub) -> None:
+    from elastic.pipeline.planner import add_parser
+    add_parser(sub)
+
+
+def _ui_parser(sub) -> None:
+    from webui.serve import add_parser
+    add_parser(sub)
+
+
+def _replay_parser(sub) -> None:
+    from monitor.replay import add_parser
+    add_parser(sub)
+
+
+def _demo_parser(sub) -> None:
     demo = sub.add_parser("demo", help="dashboard + a live elastic run with a failure and an addition")
     demo.add_argument("--db", default="runs/regatta.db")
     demo.add_argument("--port", type=int, default=8050)
     demo.add_argument("--steps", type=int, default=3000)
+
+
+def cmd_plan(args) -> int:
+    from elastic.pipeline.planner import main as plan
+    return plan(args)
+
+
+def cmd_ui(args) -> int:
+    from webui.serve import main as serve
+    return serve(args)
+
+
+def cmd_replay(args) -> int:
+    from monitor.replay import main as replay
+    return replay(args)
+
+
+# Each command's options are defined by the module that owns it. Only the chosen
+# command's module is imported: `regatta local` must not pay for torch and Flask,
+# which the pipeline and dashboard parsers' modules import (2-3 s on two cores, on
+# every launch). `regatta --help` and a mistyped command import them all.
+COMMANDS = {"local": (_local_parser, cmd_local),
+            "check-hosts": (_check_hosts_parser, cmd_check_hosts),
+            "supervise": (_supervise_parser, cmd_supervise),
+            "plan": (_plan_parser, cmd_plan),
+            "ui": (_ui_parser, cmd_ui),
+            "replay": (_replay_parser, cmd_replay),
+            "demo": (_demo_parser, cmd_demo)}
+
+
+def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="regatta", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    chosen = [argv[0]] if argv and argv[0] in COMMANDS else list(COMMANDS)
+    for name in chosen:
+        COMMANDS[name][0](sub)
     passed = argv[argv.index("--") + 1:] if "--" in argv else []
     args = parser.parse_args(argv[:len(argv) - len(passed) - (1 if "--" in argv else 0)])
     if passed:
@@ -145,10 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     from elastic.launch.hosts import HostsError
     from elastic.launch.plan import PlanError
     from elastic.launch.target import TargetError
-    handlers = {"local": cmd_local, "check-hosts": cmd_check_hosts, "ui": cmd_ui, "demo": cmd_demo,
-                "supervise": cmd_supervise, "plan": cmd_plan, "replay": cmd_replay}
     try:
-        return handlers[args.command](args)
+        return COMMANDS[args.command][1](args)
     except (ConfigError, HostsError, PlanError, TargetError, OSError) as err:
         print(f"regatta {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -27,3 +27,18 @@ def test_charlm_beats_the_unigram_baseline(tmp_path):
     metrics = result["metrics"]
     assert metrics["unigram_loss"] > 3.2
     assert metrics["test_loss"] < 0.8 * metrics["unigram_loss"]
+
+
+def test_digits_are_scikit_learns_without_importing_it():
+    check = subprocess.run([PYTHON, "-c", """
+import sys
+from jobs.digits import load_digits
+images, labels = load_digits()
+assert "sklearn" not in sys.modules, "scikit-learn was imported"
+from sklearn.datasets import load_digits as reference
+bunch = reference()
+assert images.shape == (1797, 64) and (images == bunch.data).all()
+assert (labels == bunch.target).all() and labels.dtype.kind == "i"
+print("same")
+"""], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert check.stdout.strip() == "same", check.stderr[-2000:]
