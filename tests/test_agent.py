@@ -10,6 +10,7 @@ import pytest
 
 from conftest import PYTHON, ROOT, kill_tree
 from elastic import restart
+from elastic.launch.agent import WARMING_ENV
 
 JOB = ["-m", "jobs.digits", "--steps", "30", "--no-progress", "--db", ""]
 
@@ -36,6 +37,35 @@ def test_without_agent_the_shim_execs_python(tmp_path):
     proc = shim("no-agent-here", tmp_path)
     assert proc.wait(timeout=120) == 0
     assert (tmp_path / "result.json").exists()
+
+
+def test_a_shim_waits_for_its_agent_while_the_agents_warm_up(tmp_path):
+    """``regatta local`` starts horovodrun while the agents warm up: a shim started
+    before its agent listens waits for it (and its worker is forked, not started cold)
+    for as long as the launcher's marker says the agents are warming; without the marker
+    it starts the worker itself at once."""
+    host = f"late-agent-{time.monotonic_ns()}"
+    marker = tmp_path / "agents.warming"
+    marker.touch()
+    early = shim(host, tmp_path / "early", {WARMING_ENV: str(marker)})
+    time.sleep(1.0)
+    assert early.poll() is None and not (tmp_path / "early").exists()   # still waiting
+    agent = subprocess.Popen([PYTHON, "-m", "elastic.launch.agent", "--host", host,
+                              "--preload", "jobs.digits"], cwd=ROOT, stdout=subprocess.PIPE,
+                             text=True, start_new_session=True)
+    try:
+        assert "ready" in agent.stdout.readline()
+        marker.unlink()
+        assert early.wait(timeout=120) == 0, early.stdout.read()
+    finally:
+        kill_tree(agent.pid)
+    said = [json.loads(line) for line in agent.stdout.read().splitlines()]
+    spawned = [m for m in said if "spawn" in m]
+    assert len(spawned) == 1 and spawned[0]["host"] == host, said
+    assert {"exit": spawned[0]["spawn"], "code": 0} in said
+    assert (tmp_path / "early" / "result.json").exists()
+    gone = shim(f"never-{host}", tmp_path / "cold", {WARMING_ENV: str(marker)})
+    assert gone.wait(timeout=120) == 0 and (tmp_path / "cold" / "result.json").exists()
 
 
 def test_forked_worker_trains_and_exits_cleanly(agent, tmp_path):

@@ -43,6 +43,7 @@ REFILL_WINDOW_S = 60.0   # a host whose workers fail twice within this is given 
 SOCKET_PREFIX = "\0regatta-agent-"   # abstract unix socket: nothing to clean up on disk
 NAMESPACE_ENV = "REGATTA_AGENT_NAMESPACE"
 DIR_ENV = "REGATTA_AGENT_DIR"   # sockets as files there: they cross network namespaces
+WARMING_ENV = "REGATTA_AGENTS_WARMING"   # a file that exists while the agents warm up
 
 
 def socket_name(host: str, namespace: str | None = None) -> str:

@@ -29,6 +29,9 @@ class Workers:
         self.on_slot_failed = on_slot_failed   # called with the agent's word on a failed slot
         self._lock = threading.Lock()
         self._live: dict[int, tuple[str, int]] = {}   # pid -> (host, slot), from agents
+        self._said = threading.Condition(self._lock)
+        self._ready = 0          # agents that said they are ready
+        self._trouble = ""       # an agent that could not start, or the agents' end
 
     def follow(self, stream) -> None:
         """Read an agent's announcements (elastic.launch.agent.tell) until it ends."""
@@ -39,7 +42,12 @@ class Workers:
                 except json.JSONDecodeError:
                     continue
                 with self._lock:
-                    if "spawn" in message:
+                    if "ready" in message or "failed" in message:
+                        self._ready += "ready" in message
+                        if "failed" in message and not self._trouble:
+                            self._trouble = line.strip()
+                        self._said.notify_all()
+                    elif "spawn" in message:
                         self._live[message["spawn"]] = (message["host"], message["slot"])
                     elif "exit" in message:
                         self._live.pop(message["exit"], None)
@@ -47,7 +55,17 @@ class Workers:
                     self.on_slot_failed({"target": message["host"], "slot": message["slot"],
                                          "pid": message["slot_failed"], "code": message["code"],
                                          "action": message["action"]})
+            with self._lock:
+                self._trouble = self._trouble or "no answer"
+                self._said.notify_all()
         threading.Thread(target=read, name="regatta-agent-reader", daemon=True).start()
+
+    def wait_ready(self, count: int) -> str:
+        """Wait until ``count`` agents said they are ready (their workers may already be
+        starting meanwhile); empty, or what an agent said that could not start."""
+        with self._lock:
+            self._said.wait_for(lambda: self._ready >= count or self._trouble)
+            return "" if self._ready >= count else self._trouble
 
     def pids(self, host: str, slot: int | None = None) -> list[tuple[int, int]]:
         """(pid, slot) of host's training processes, oldest first."""

@@ -16,15 +16,34 @@ import os
 import signal
 import socket
 import sys
+import time
 
-from .agent import socket_name
+from .agent import WARMING_ENV, socket_name
 
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+WARMING_WAIT_S = 120.0   # an agent still warming up after this is not coming
 
 
 def _exec_directly(target: list[str], args: list[str]) -> None:
     os.execv(sys.executable, [sys.executable, *target, *args])
+
+
+def _connect(host: str) -> socket.socket | None:
+    """A connection to this host's agent; while the launcher says the agents are still
+    warming up (horovodrun starts meanwhile), wait for it. None: no agent."""
+    warming = os.environ.get(WARMING_ENV, "")
+    deadline = time.monotonic() + WARMING_WAIT_S
+    while True:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(socket_name(host))
+            return conn
+        except OSError:
+            conn.close()
+            if not (warming and os.path.exists(warming)) or time.monotonic() > deadline:
+                return None
+            time.sleep(0.02)
 
 
 def _read_message(stream) -> dict | None:
@@ -49,10 +68,8 @@ def main(argv: list[str]) -> None:
     # Held from before the worker exists until they can be forwarded to it: a signal in
     # between would kill the shim, and the agent would SIGKILL the worker unwarned.
     signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        conn.connect(socket_name(host))
-    except OSError:
+    conn = _connect(host)
+    if conn is None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)   # exec keeps the mask
         _exec_directly(target, args)
     request = {"target": target, "args": args, "cwd": os.getcwd(), "env": dict(os.environ)}
