@@ -14,7 +14,9 @@ a stop or a partition ends), ``target`` (the host), and optionally ``slot`` and 
 before it SIGKILLs itself. ``slot_failed`` is recorded by the local launcher when a host's
 agent saw a worker crash: detail ``target``, ``slot``, ``pid``, ``code`` and ``action``
 (``refilled``: a fresh worker took the slot; ``host_excluded``: left to horovodrun, which
-excludes the host). Both fault kinds mark when the failure that follows on that host began
+excludes the host). ``fault_missed``: a kill or stop whose target had no live training
+process when it came (it had died already, e.g. Gloo aborted it for a peer's death);
+detail ``fault``, ``target``, ``slot``, ``pid``. Both fault kinds mark when the failure that follows on that host began
 (monitor.recovery measures "detected" from them).
 """
 from __future__ import annotations
@@ -49,6 +51,7 @@ KINDS: dict[str, EventKind] = {k.name: k for k in (
     EventKind("checkpoint", MINOR, "checkpoint", _CYAN, "square-open"),
     EventKind("straggler", MINOR, "straggler", _AMBER, "hourglass-open"),
     EventKind("kill_injected", NONE, "kill injected", _RED, "x-open"),
+    EventKind("fault_missed", NONE, "fault missed", _GREY, "x-open"),
     EventKind("peer_lost", NONE, "peer lost", _RED, "x-open"),
     EventKind("restore", NONE, "restore", _ORANGE, "triangle-left"),
     EventKind("reset", NONE, "reset", _PURPLE, "diamond-open"),

@@ -1,5 +1,6 @@
 """Outside faults chained with +AFTER strike AFTER seconds after the one before them
 struck, however long finding a host's processes took."""
+import json
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ class SlowToFind(Workers):
 
     def pids(self, host, slot=None):
         time.sleep(self.lookup_s)
-        return [(self.procs[host].pid, 0)]
+        return [(self.procs[host].pid, 0)] if host in self.procs else []
 
 
 def test_a_chained_fault_strikes_after_the_one_before_it(tmp_path):
@@ -46,3 +47,32 @@ def test_a_chained_fault_strikes_after_the_one_before_it(tmp_path):
         for proc in procs.values():
             proc.kill()
             proc.wait()
+
+
+def test_a_kill_whose_target_died_already_is_recorded_as_missed(tmp_path):
+    """The second of two chained kills finds its target dead (Gloo aborted it for the
+    first death): the run's events say so instead of dropping the fault."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        log = EventLog(tmp_path, "launcher", 0)
+        injector = Injector([fault("sigkill", "a", 5), fault("sigkill", "b", 5, after=0.05),
+                             fault("sigkill", "gone", 5, after=0.05)],
+                            SlowToFind({"a": alive, "b": dead}, lookup_s=0), None, log)
+        injector.reached(5, 0.01)
+        assert alive.wait(timeout=10) == -9
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            text = "".join(p.read_text() for p in (tmp_path / "events").glob("*.jsonl"))
+            if text.count('"fault_missed"') == 2:
+                break
+            time.sleep(0.02)
+        events = [json.loads(line) for line in text.splitlines()]
+        assert [(e["kind"], e["target"], e["pid"]) for e in events] == [
+            ("fault_injected", "a", alive.pid), ("fault_missed", "b", dead.pid),
+            ("fault_missed", "gone", None)]
+        assert [e["target"] for e in injector.struck] == ["a"]
+    finally:
+        alive.kill()
+        alive.wait()

@@ -32,12 +32,22 @@ def test_the_job_finishes_on_the_last_host(double_kills):
     done, report, log = double_kills
     assert done.returncode == 0 and report["exit_code"] == 0, log[-3000:]
     assert (report["final_step"], report["final_world_size"]) == (360, 1)
-    assert "Wait timeout" not in log and "status code 134" not in log
+    assert "Wait timeout" not in log
+    # Now and then Gloo aborts a survivor whose peer died mid-transfer (its transport
+    # thread throws on the stray message: seen once in ~10 runs here); that costs the
+    # survivor, at once, never a timeout
+    strikes = [e["wall_time"] for e in kinds(report, "fault_injected")]
+    for aborted in [e for e in kinds(report, "slot_failed") if e["code"] == -6]:
+        assert any(0 <= aborted["wall_time"] - t < 2 for t in strikes), aborted
+    assert log.count("status code 134") == len([e for e in kinds(report, "slot_failed")
+                                                 if e["code"] == -6])
 
 
 def test_each_double_failure_is_recovered_in_seconds(double_kills):
     _, report, _ = double_kills
-    struck = [e for e in kinds(report, "fault_injected") if e["fault"] == "kill"]
+    # a chained kill whose target Gloo aborted already is recorded as missed, in its place
+    struck = [e for e in report["events"] if e["kind"] in ("fault_injected", "fault_missed")
+              and e["fault"] == "kill"]
     assert [e["target"] for e in struck] == ["127.0.0.3", "127.0.0.4", "127.0.0.5", "127.0.0.6"]
     for first, second in (struck[0:2], struck[2:4]):
         # chained to the strike before it (+0.1 s, +0.25 s); finding a host's processes

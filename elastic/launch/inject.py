@@ -126,9 +126,12 @@ class Injector:
         kind, host = fault["fault"], fault["host"]
         if kind in ("sigkill", "stop"):
             sig = signal.SIGKILL if kind == "sigkill" else signal.SIGSTOP
+            name = "kill" if kind == "sigkill" else "stop"
             targets = self.workers.pids(host, fault["slot"])
             for pid, slot in targets:
-                self._signal(pid, sig, "kill" if kind == "sigkill" else "stop", host, slot, step)
+                self._signal(pid, sig, name, host, slot, step)
+            if not targets:
+                self._missed(name, host, fault["slot"], None, step)
             if kind == "stop":
                 self._later(fault["seconds"], self._resume, targets, host, step)
         else:
@@ -141,8 +144,14 @@ class Injector:
         try:
             os.kill(pid, sig)
         except ProcessLookupError:
+            self._missed(name, host, slot, pid, step)
             return
         self._record(name, host, slot, pid, step)
+
+    def _missed(self, fault: str, host: str, slot, pid, step: int) -> None:
+        """Said, not silently dropped: the target died before the fault came (a chained
+        kill's target that Gloo aborted for the first death, say)."""
+        self.log.record("fault_missed", step, fault=fault, target=host, slot=slot, pid=pid)
 
     def _resume(self, targets: list, host: str, step: int) -> None:
         for pid, slot in targets:
