@@ -7,7 +7,9 @@ It asks this host's agent (elastic.launch.agent) to fork the worker, hands over 
 stdin/stdout/stderr, forwards signals to the worker, and exits as the worker did (killed
 by a signal -> killed by the same signal), so horovodrun cannot tell the difference. A
 worker the agent replaced in place (elastic/restart.py) is, to horovodrun, the same one. With
-no agent listening it simply execs ``python -m MODULE ...``. Imports nothing heavy.
+no agent listening it simply execs ``python -m MODULE ...``, unless the launcher's marker
+(``$REGATTA_AGENTS_WARMING``) says the agents are still warming up: then it waits for its
+agent. Imports nothing heavy.
 """
 from __future__ import annotations
 
