@@ -37,7 +37,7 @@ from .inject import Injector, Workers
 from .plan import LocalPlan, PlanError, parse_at, resolve_host   # noqa: F401  (re-exported)
 from .report import build_report, write_report
 from .stopping import Stopping, stop_tree
-from .warm import WARMING_MARKER, agent_namespace, warm_agents, worker_target
+from .warm import agent_namespace, warm_agents, warming_marker, worker_target
 
 DISCOVER = Path(__file__).resolve().parents[2] / "hostfiles" / "discover.sh"
 
@@ -87,7 +87,7 @@ def worker_env(plan: LocalPlan, run_id: str, agent_dir: str) -> dict[str, str]:
     env[agent.NAMESPACE_ENV] = agent_namespace(plan)
     if agent_dir:
         env[agent.DIR_ENV] = agent_dir
-    env[agent.WARMING_ENV] = str(Path(plan.run_dir) / WARMING_MARKER)
+    env[agent.WARMING_ENV] = str(warming_marker(plan))
     return env
 
 

@@ -16,7 +16,11 @@ from .plan import LocalPlan
 from .stopping import Stopping, stop_tree
 from .target import Target
 
-WARMING_MARKER = "agents.warming"   # in the run's folder while the agents warm up
+
+
+def warming_marker(plan: LocalPlan) -> Path:
+    """The file that exists while the launch's agents warm up (shims wait for theirs)."""
+    return Path(plan.run_dir) / "agents.warming"
 
 
 def worker_target(plan: LocalPlan) -> Target:
@@ -46,7 +50,7 @@ def warm_agents(plan: LocalPlan, network, workers: Workers, agent_dir: str,
     (:data:`agent.WARMING_ENV`) tells the shims to wait for their agent rather than start
     cold, so horovodrun can start (about 2 s) while the agents warm up (3-4 s)."""
     agents = []
-    marker = Path(plan.run_dir) / WARMING_MARKER
+    marker = warming_marker(plan)
 
     def ready() -> None:
         try:
