@@ -68,6 +68,14 @@ def driver_reachable(timeout: float = 0.3) -> bool:
 
 
 RENDEZVOUS_GRACE_S = 1.0   # a rendezvous of live workers takes a fraction of this
+LAST_ROWS_S = 1.0          # how long a worker that leaves at once waits for its store rows
+
+
+def leave_now(events, code: int) -> None:
+    """End this process at once, without the cleanup a normal exit runs (the recovery must
+    not wait on it), but with its store rows sent first: its sink's queue would go with it."""
+    events.flush(LAST_ROWS_S)
+    os._exit(code)
 
 
 class FastRecovery:
@@ -174,7 +182,7 @@ class FastRecovery:
             # the one cut off. Leaving lets the driver count it failed now, not when its
             # re-initialisation gives up on the driver many seconds later.
             self.events.record("cut_off", self.heartbeat.step, peer_rank=rank, target=host)
-            os._exit(restart.CUT_OFF_EXIT)
+            leave_now(self.events, restart.CUT_OFF_EXIT)
         if self._armed:
             self._armed = False   # one reset per generation: the rest is the recovery's
             severed = sever(self.gloo)
@@ -268,10 +276,10 @@ class FastRecovery:
         written = self._handoff.written()
         self.events.record("restart_in_place", self.heartbeat.step, reason=reason,
                            handoff=written)
-        os._exit(restart.RESTART_EXIT)
+        leave_now(self.events, restart.RESTART_EXIT)
 
     def _take_place(self) -> None:
         """A replacement: this slot's place in the world now forming, or leave."""
         if not restart.take_assignment(os.environ.get("HOROVOD_HOSTNAME", socket.gethostname())):
             self.events.record("no_place", None)
-            os._exit(0)
+            leave_now(self.events, 0)

@@ -73,7 +73,8 @@ class Sink:
         raise NotImplementedError
 
     def flush(self, timeout: Optional[float] = None) -> bool:
-        """Wait until every row emitted so far is delivered or spooled; False on timeout."""
+        """Wait until every row emitted so far is delivered or spooled; False on timeout.
+        ``flush(0)`` starts their delivery and returns at once."""
         return True
 
     def close(self, timeout: Optional[float] = 10.0) -> None:
@@ -230,7 +231,10 @@ class QueuedSink(Sink):
         return batch, False
 
     def _handle(self, batch: list) -> None:
-        if time.monotonic() < self._retry_at:  # known down: do not wait on it again
+        # Known down: do not wait on it again. Older rows waiting in the spool go first:
+        # a batch sent ahead of them may need one of them (its run row) and fail for it,
+        # put off the next replay, and so on for as long as rows keep coming.
+        if time.monotonic() < self._retry_at or len(self._spool):
             self._keep(batch)
             return
         try:

@@ -3,11 +3,14 @@ while the survivors re-form the world; and a second death at the worst instant, 
 connects the new world, which makes Gloo abort every survivor. The job recovers on whoever
 is left and finishes in seconds, never after Gloo's 30 s rendezvous timeout."""
 import json
+from collections import Counter
 
 import pytest
 
 from conftest import BIN, kinds, run
 from elastic.launch import netns
+from elastic.runtime.events import read_events
+from monitor.store import Store
 
 UNAVAILABLE = netns.available()
 # the module fixtures run whole jobs (the abort race up to 3 of them) in a test's setup
@@ -98,10 +101,11 @@ def killed_connecting(tmp_path_factory):
         report = tmp / "report.json"
         done = run([str(BIN / "regatta"), "local", "digits", "--hosts", "5", "--steps", "120",
                     "--commit-every", "10", "--kill", "2@60", "--kill-connecting", "4@60",
-                    "--run-dir", str(tmp / "run"), "--report", str(report), "--timeout", "150"],
+                    "--run-dir", str(tmp / "run"), "--report", str(report), "--timeout", "150",
+                    "--db", str(tmp / "m.db")],
                    timeout=170, env={"REGATTA_AUDIT": "1"}, check=False)
         log = (tmp / "run" / "horovodrun.log").read_text()
-        attempt = (done, json.loads(report.read_text()), log)
+        attempt = (done, json.loads(report.read_text()), log, tmp)
         if failed_before_the_kills(attempt[1]):
             lost_at_start.append(failed_before_the_kills(attempt[1]))
             assert len(lost_at_start) <= 2, (lost_at_start, log[-3000:])
@@ -109,7 +113,7 @@ def killed_connecting(tmp_path_factory):
         attempts.append(attempt)
         if GLOO_ABORT in log or done.returncode != 0:
             break
-    print("attempts", len(attempts), "aborted", [log.count(GLOO_ABORT) for *_, log in attempts],
+    print("attempts", len(attempts), "aborted", [a[2].count(GLOO_ABORT) for a in attempts],
           "run again (a worker lost before the kills)", lost_at_start)
     return attempts
 
@@ -123,7 +127,7 @@ def failed_before_the_kills(report) -> list:
 def test_every_attempt_finishes_on_the_survivors(killed_connecting):
     """Not one healthy host lost: a survivor whose init, lifelines or collectives broke
     under it recovered instead of ending (exit 1) and having its host counted failed."""
-    for done, report, log in killed_connecting:
+    for done, report, log, _ in killed_connecting:
         assert done.returncode == 0 and report["exit_code"] == 0, log[-3000:]
         killed = len(kinds(report, "kill_injected"))
         assert (report["final_step"], report["final_world_size"]) == (120, 5 - killed)
@@ -132,7 +136,7 @@ def test_every_attempt_finishes_on_the_survivors(killed_connecting):
 
 
 def test_survivors_aborted_by_gloo_are_replaced_with_their_commits(killed_connecting):
-    done, report, log = [a for a in killed_connecting if len(kinds(a[1], "kill_injected")) == 2][-1]
+    done, report, log, _ = [a for a in killed_connecting if len(kinds(a[1], "kill_injected")) == 2][-1]
     # The second death came while survivors were in Horovod's first collectives: Gloo
     # aborted them (the race this guards; one already past them just fails a collective;
     # one still in the rendezvous sees the restart mark and asks to be replaced), and none
@@ -164,3 +168,20 @@ def test_survivors_aborted_by_gloo_are_replaced_with_their_commits(killed_connec
     assert replaced == aborted + asked     # every one aborted or asked, and only those
     resumed = [e for e in kinds(report, "resumed") if e["wall_time"] > second["wall_time"]]
     assert resumed and resumed[0]["wall_time"] - first["wall_time"] < 20   # never Gloo's 30 s
+
+
+def test_survivors_that_ended_mid_recovery_left_their_recovery_in_the_store(killed_connecting):
+    """A survivor Gloo aborted, or one that asked to be replaced, ended at once: the
+    recovery's events it recorded are in the store as in its JSONL file (its sink's queue
+    died with it; they were sent when recorded, or before it left)."""
+    ended = ("restore", "peer_lost", "restart_in_place", "handoff_loaded")
+    for done, report, log, tmp in killed_connecting:
+        store = Store(str(tmp / "m.db"))
+        (run_row,) = store.runs()
+        survivors = {e["host"] for e in kinds(report, "finish")}
+        def by_host(events):
+            return Counter((e["host"], e["kind"]) for e in events
+                           if e["host"] in survivors and e["kind"] in ended)
+        recorded = by_host(read_events(tmp / "run"))
+        assert all(recorded[host, "restore"] for host in survivors)   # not vacuous
+        assert by_host(store.events(run_row["id"])) == recorded

@@ -184,6 +184,31 @@ def test_rows_waiting_for_their_run_row_do_not_grow_the_spool(tmp_path):
     assert not list(spool_dir.glob("*.jsonl*"))
 
 
+def test_a_producers_own_run_row_behind_its_waiting_rows_is_delivered_before_the_close(tmp_path):
+    """A rank records an event before it emits its run row (the store refuses it: it is
+    spooled and the sink backs off), then keeps emitting. Its new rows must not be sent
+    ahead of the spooled run row: each would fail for want of it and put off the replay
+    that sends it, and the run reached the store only at the close."""
+    db = str(tmp_path / "m.db")
+    Store(db).close()
+    event = {"type": "event", "run_id": "r1", "wall_time": 1.0, "kind": "start", "host": "h0"}
+    with SQLiteSink(db, spool_dir=str(tmp_path / "spool"),
+                    config=SinkConfig(flush_interval=0.1, retry_min=0.3, retry_max=5)) as sink:
+        sink.emit(event)
+        assert sink.flush(timeout=10) and sink.spooled == 1   # refused: no run r1 yet
+        sink.emit(RUN)
+        deadline = time.monotonic() + 8
+        while not Store(db).runs() and time.monotonic() < deadline:
+            sink.emit(step_row(0, int(time.monotonic() * 1000)))   # training goes on:
+            time.sleep(0.01)                                      # every batch has rows
+        assert Store(db).runs(), "the run row waited for the close"
+        assert sink.flush(timeout=10)
+        deadline = time.monotonic() + 10
+        while sink.spooled and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sink.spooled == 0 and len(Store(db).events("r1")) == 1
+
+
 def test_a_rewritten_spool_keeps_its_rows_and_its_lock(tmp_path):
     """The rewrite drops only delivered rows, and the file under the spool's name stays
     locked by its owner throughout: no adopter can take a live spool's rows."""
@@ -319,3 +344,42 @@ def test_a_full_disk_is_one_warning_with_backoff(tmp_path):
     assert done.stderr.count("cannot write the spool") == 1, done.stderr[-3000:]
     assert done.stderr.count("delivery failed") == 1
     assert "Traceback" not in done.stderr
+
+
+ENDED_AT_ONCE = """
+import os, sys, time
+from elastic.recovery import leave_now
+from elastic.runtime.events import EventLog
+from elastic.runtime.runs import run_row
+from monitor.sink import SQLiteSink
+db, folder, how = sys.argv[1:]
+sink = SQLiteSink(db, spool_dir=folder + "/spool")
+sink.emit(run_row("r1", "job", "running"))
+sink.flush(10)
+events = EventLog(folder, "h", 0, sink=sink, run_id="r1")
+events.record("commit", 10)    # routine: it waits for its batch (about a second)
+events.record("restore", 10, from_step=12, steps_redone=2)
+if how == "aborted":           # as Gloo aborts a survivor, a few hundred ms into re-forming
+    time.sleep(0.5)
+    os.abort()
+events.record("restart_in_place", 10, reason="a peer died during the rendezvous")
+leave_now(events, 76)          # as a survivor asking its agent for a replacement
+"""
+
+
+@pytest.mark.parametrize("how, code, stored", [
+    ("aborted", -6, ["commit", "restore"]),
+    ("left", 76, ["commit", "restore", "restart_in_place"])])
+def test_a_recovering_worker_that_ends_at_once_leaves_its_events_in_the_store(
+        tmp_path, how, code, stored):
+    """A recovery's events are sent at once (with whatever waited before them), and a
+    worker that leaves without cleanup sends its rows first: in both cases the process's
+    sink queue dies with it, about a second's rows that only the JSONL file had."""
+    script = tmp_path / "ended.py"
+    script.write_text(ENDED_AT_ONCE)
+    db = str(tmp_path / "m.db")
+    done = subprocess.run([sys.executable, str(script), db, str(tmp_path), how], timeout=60,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == code, done.stderr[-2000:]
+    assert [e["kind"] for e in Store(db).events("r1")] == stored
+    assert [json.loads(line)["kind"] for line in (tmp_path / "events" / "h-0.jsonl").open()] == stored

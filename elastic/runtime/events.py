@@ -3,6 +3,11 @@
 Each worker appends JSON lines to ``<run_dir>/events/<host>-<slot>.jsonl`` (the launcher's
 report is built from these) and, when a metrics sink is attached, emits the same event
 as a store row. Lines are flushed at once: a SIGKILL loses nothing already recorded.
+The sink sends its rows in batches, about once a second. Only the events that happen
+all the time (monitor.event_kinds' minor ones: commits, checkpoints, stragglers) wait
+for one; every other kind is rare and is sent at once, because it is mostly about a
+failure, and a recovering process may end before the next batch (Gloo aborts it, or it
+exits to be replaced) and its queue would go with it.
 """
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from monitor.event_kinds import KINDS
+from monitor.event_kinds import KINDS, MINOR
 
 
 class EventLog:
@@ -40,6 +45,8 @@ class EventLog:
             self.sink.emit({"type": "event", "run_id": self.run_id, "wall_time": event["wall_time"],
                             "step": step, "kind": kind, "host": self.host, "rank": self.rank,
                             "detail": detail})
+            if KINDS[kind].klass != MINOR:
+                self.sink.flush(0)   # starts the delivery, does not wait for it
         return event
 
     def flush(self, timeout: float = 5.0) -> None:

@@ -88,14 +88,15 @@ class Runtime:
             self.collectives = MpiCollectives()
         share_cores(self.world, self.env)
         self.events.rank = self.world.rank
+        if self.world.is_root:   # before any row of the run: the store takes none without it
+            self.sink.emit(run_row(self.run_id, self.job, "running", config=self.config,
+                                   launcher=launcher_name(self.env), code_revision=code_revision()))
         self.events.record("start", None, size=self.world.size, elastic=self.env.elastic,
                            engine=engine.name, fast_recovery=bool(self.recovery),
                            process_created=psutil.Process().create_time(), init_started=started)
         self.sampler = HostSampler(self.sink, self.run_id, self.world.host, self.world.slot)
         if self.world.is_root:
             self.events.record("calibration", None, memcpy_bytes_per_s=memcpy_bandwidth())
-            self.sink.emit(run_row(self.run_id, self.job, "running", config=self.config,
-                                   launcher=launcher_name(self.env), code_revision=code_revision()))
 
     @property
     def step(self) -> int:
