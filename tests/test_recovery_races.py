@@ -165,23 +165,27 @@ def test_survivors_aborted_by_gloo_are_replaced_with_their_commits(killed_connec
         else:
             assert (sync["source"], sync["from_step"]) == ("checkpoint", 50)
             assert lost[0]["steps_held"] == [60]
-    assert replaced == aborted + asked     # every one aborted or asked, and only those
+    # Every one aborted or asked was replaced, and only those. One that asked can be
+    # aborted by Gloo while it sends its last rows: counted in both, replaced once.
+    replacements = Counter(e["host"] for e in kinds(report, "handoff_loaded"))
+    askers = Counter(e["host"] for e in kinds(report, "restart_in_place"))
+    assert replaced == replacements.total() and asked == askers.total()
+    assert askers <= replacements and (replacements - askers).total() <= aborted <= replaced
     resumed = [e for e in kinds(report, "resumed") if e["wall_time"] > second["wall_time"]]
     assert resumed and resumed[0]["wall_time"] - first["wall_time"] < 20   # never Gloo's 30 s
 
 
 def test_survivors_that_ended_mid_recovery_left_their_recovery_in_the_store(killed_connecting):
-    """A survivor Gloo aborted, or one that asked to be replaced, ended at once: the
-    recovery's events it recorded are in the store as in its JSONL file (its sink's queue
-    died with it; they were sent when recorded, or before it left)."""
-    ended = ("restore", "peer_lost", "restart_in_place", "handoff_loaded")
+    """A survivor Gloo aborted, or one that asked to be replaced, ended at once, its sink's
+    queue with it: the restore it recorded a few hundred ms before is in the store all the
+    same (sent when recorded), and so is its replacement's hand-off. (What it recorded in
+    the last milliseconds, the second death's peer_lost, can go with it.)"""
     for done, report, log, tmp in killed_connecting:
         store = Store(str(tmp / "m.db"))
         (run_row,) = store.runs()
         survivors = {e["host"] for e in kinds(report, "finish")}
-        def by_host(events):
-            return Counter((e["host"], e["kind"]) for e in events
-                           if e["host"] in survivors and e["kind"] in ended)
-        recorded = by_host(read_events(tmp / "run"))
-        assert all(recorded[host, "restore"] for host in survivors)   # not vacuous
-        assert by_host(store.events(run_row["id"])) == recorded
+        recorded = [(e["host"], e["kind"], e["wall_time"]) for e in read_events(tmp / "run")
+                    if e["host"] in survivors and e["kind"] in ("restore", "handoff_loaded")]
+        assert {host for host, kind, _ in recorded if kind == "restore"} == survivors
+        stored = {(e["host"], e["kind"], e["wall_time"]) for e in store.events(run_row["id"])}
+        assert [event for event in recorded if event not in stored] == []
