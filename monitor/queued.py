@@ -231,16 +231,20 @@ class QueuedSink(Sink):
         return batch, False
 
     def _handle(self, batch: list) -> None:
-        # Known down: do not wait on it again. Older rows waiting in the spool go first:
-        # a batch sent ahead of them may need one of them (its run row) and fail for it,
-        # put off the next replay, and so on for as long as rows keep coming.
-        if time.monotonic() < self._retry_at or len(self._spool):
+        if time.monotonic() < self._retry_at:  # known down: do not wait on it again
             self._keep(batch)
             return
         try:
             self._deliver(batch)
         except Rejected as exc:
             self._reject(batch, exc)
+        except NotYet:
+            # The destination is up; the run row may be among this producer's spooled
+            # rows. Replay them now, this batch behind them: waiting for the retry lets
+            # the next batch fail the same way and put the replay off again, for as long
+            # as rows keep coming.
+            self._keep(batch)
+            self._replay(force=True)
         except Exception as exc:  # noqa: BLE001 - any failure means "keep it for later"
             self._keep(batch)
             self._failed(exc)
