@@ -239,10 +239,8 @@ class QueuedSink(Sink):
         except Rejected as exc:
             self._reject(batch, exc)
         except NotYet:
-            # The destination is up; the run row may be among this producer's spooled
-            # rows. Replay them now, this batch behind them: waiting for the retry lets
-            # the next batch fail the same way and put the replay off again, for as long
-            # as rows keep coming.
+            # Its run row may be in this producer's spool: replay it now, this batch behind
+            # it (at the retry, the next batch would fail first and put the replay off).
             self._keep(batch)
             self._replay(force=True)
         except Exception as exc:  # noqa: BLE001 - any failure means "keep it for later"
