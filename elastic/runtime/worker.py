@@ -66,8 +66,7 @@ class Runtime:
         self.sampler: HostSampler | None = None
         self.progress: Progress | None = None
         self.bar: tqdm | None = None
-        self.commits = 0
-        self.entries = 0
+        self.commits = self.entries = 0    # commits made; entries into the training loop
         self.writing: Future | None = None     # the durable checkpoint still being written
         self._recorded = threading.Event()     # ... and once it is, its event recorded
         self.state = None
