@@ -6,8 +6,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
+from pathlib import Path
 
 import psutil
 import pytest
@@ -34,6 +36,11 @@ def marked(mark: str) -> list[psutil.Process]:
 def loopback() -> set[str]:
     return set(subprocess.run(["ip", "-br", "addr", "show", "lo"], capture_output=True,
                               text=True).stdout.split()[2:])
+
+
+def temporary() -> set[Path]:
+    """What Regatta keeps in the machine's temporary folder (agents' sockets, say)."""
+    return set(Path(tempfile.gettempdir()).glob("regatta-*"))
 
 
 def free_port() -> int:
@@ -72,7 +79,7 @@ CASES = [("local-netns", [signal.SIGTERM]), ("local-aliases", [signal.SIGINT]),
 def test_a_signal_stops_everything_the_launcher_started(tmp_path, kind, signals):
     if "netns" in kind and not NETNS:
         pytest.skip(f"network namespaces are unavailable: {netns.available()}")
-    mark, before = uuid.uuid4().hex, loopback()
+    mark, before, kept = uuid.uuid4().hex, loopback(), temporary()
     ours = {f"127.0.0.{i}/8" for i in (2, 3)} - before if kind == "local-aliases" else set()
     command, training = launch(tmp_path, kind)
     env = {**os.environ, MARK: mark, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -96,6 +103,7 @@ def test_a_signal_stops_everything_the_launcher_started(tmp_path, kind, signals)
         took = time.monotonic() - signalled
         assert marked(mark) == [] and took < 10, (took, marked(mark))
         assert not (loopback() - before) & ours          # every alias we added is gone
+        assert temporary() - kept == set()
         assert proc.returncode != 0                       # stopped, not finished
     finally:
         kill_tree(proc.pid)

@@ -129,8 +129,10 @@ def _run_private(plan: LocalPlan) -> dict:
     plan_file = Path(plan.run_dir) / "plan.json"
     plan_file.write_text(json.dumps(plan.to_json()))
     command = netns.private([sys.executable, "-m", "elastic.launch.local", str(plan_file)])
-    with Stopping() as stopping:
-        inner = subprocess.Popen(command, env={**os.environ, netns.PRIVATE_ENV: "1"},
+    # The agents' sockets' folder is made out here: a second signal SIGKILLs the launcher
+    # inside, and this one still removes it.
+    with Stopping() as stopping, tempfile.TemporaryDirectory(prefix="regatta-agents-") as sockets:
+        inner = subprocess.Popen(command, env={**os.environ, netns.PRIVATE_ENV: "1", agent.DIR_ENV: sockets},
                                  start_new_session=True)   # one signal reaches it: ours
         stopping.forward_to(inner)
         code = inner.wait()
@@ -162,8 +164,7 @@ def _run_here(plan: LocalPlan, kind: str) -> dict:
         stopping = stack.enter_context(Stopping())
         stack.enter_context(loopback.aliases(plan.every_host()))
         network = stack.enter_context(_network(plan, kind))
-        agent_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="regatta-agents-")) \
-            if kind == "netns" else ""
+        agent_dir = os.environ[agent.DIR_ENV] if kind == "netns" else ""   # (_run_private)
         agents_ready = stack.enter_context(warm_agents(plan, network, workers, agent_dir, stopping))
         injector = Injector(plan.faults, workers, network, log, plan.seed)
         stack.callback(injector.stop)
@@ -185,7 +186,7 @@ def _network(plan: LocalPlan, kind: str):
     if kind != "netns":
         yield None
         return
-    with netns.Network() as network:
+    with netns.Network(plan.run_dir) as network:
         for name in plan.every_host():
             network.add_host(name)
         for name, rate in plan.bandwidth.items():

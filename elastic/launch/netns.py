@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -116,13 +115,13 @@ class SimHost:
 @dataclass
 class Network:
     """The bridge and its hosts. Use as a context manager inside :func:`private`."""
+    folder: str             # where the private /etc/hosts is kept (the run's folder)
     hosts: dict = field(default_factory=dict)
     names_file: str = ""    # the private /etc/hosts, when this process may mount one
 
     def __enter__(self) -> "Network":
         if inside_private():    # our own mount namespace: /etc/hosts can be ours
-            folder = tempfile.mkdtemp(prefix="regatta-net-")
-            self.names_file = os.path.join(folder, "hosts")
+            self.names_file = os.path.join(self.folder, "etc-hosts")
             shutil.copyfile("/etc/hosts", self.names_file)
             done = subprocess.run(["mount", "--bind", self.names_file, "/etc/hosts"],
                                   capture_output=True, text=True)
