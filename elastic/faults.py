@@ -11,6 +11,8 @@ act on it at exact steps, which keeps fault tests repeatable:
 * ``kill_connecting``: ``[{"host": H, "step": S}]``: every worker on host H SIGKILLs itself
   in the first recovery after step S, the instant Gloo connects it to the new world: the
   survivors are mid mesh connection, the worst moment for a second death.
+* ``kill_syncing``: the same, the instant its ``hvd.init`` of the new world has returned:
+  the survivors' Gloo meshes are complete and their sync's first collectives start.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ class FaultPlan:
     slow: dict = field(default_factory=dict)
     pause: list = field(default_factory=list)
     kill_connecting: list = field(default_factory=list)
+    kill_syncing: list = field(default_factory=list)
 
     @classmethod
     def from_env(cls) -> "FaultPlan":
@@ -37,11 +40,15 @@ class FaultPlan:
 
     def to_env(self) -> str:
         return json.dumps({"kill": self.kill, "slow": self.slow, "pause": self.pause,
-                           "kill_connecting": self.kill_connecting})
+                           "kill_connecting": self.kill_connecting, "kill_syncing": self.kill_syncing})
 
-    def kills_connecting(self, host: str, step: int) -> bool:
-        """Whether this host's workers die while connecting the world re-formed at ``step``."""
-        return any(f["host"] == host and step >= f["step"] for f in self.kill_connecting)
+    def dies_recovering(self, host: str, step: int) -> str:
+        """When this host's workers die in the recovery of the world re-formed at ``step``:
+        "connecting", "syncing", or "" (they do not)."""
+        for when, planned in (("connecting", self.kill_connecting), ("syncing", self.kill_syncing)):
+            if any(f["host"] == host and step >= f["step"] for f in planned):
+                return when
+        return ""
 
     @staticmethod
     def kill_now(events, step: int | None, **detail) -> None:

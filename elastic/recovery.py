@@ -16,7 +16,12 @@ in place (restart.py); after it, the new world's connections are severed as abov
 Gloo can abort a survivor before anyone has marked the rendezvous (a peer's socket closes
 the instant it dies, mid mesh connection): so each re-forming starts by leaving this
 rank's commit where a replacement finds it, and the agent replaces a worker that aborted
-while its hand-off was out (restart.py, handoff.py).
+while its hand-off was out (restart.py, handoff.py). The hand-off stays out until the loop
+is entered: a death just after ``hvd.init`` can leave a survivor's Horovod background loop
+waiting in Gloo for the dead peer until Gloo's timeout (30 s), with no connection left to
+sever (Gloo had closed it; the receive was posted after). Such a rank is restarted in
+place: one still in the sync :data:`SEVERED_GRACE_S` after the sever, or one whose
+``hvd.shutdown`` (which joins that loop) has not returned after :data:`SHUTDOWN_GRACE_S`.
 
 The runtime calls :meth:`FastRecovery.before_init` before every (re)initialisation,
 :meth:`FastRecovery.adopt` once its training state exists, :meth:`FastRecovery.enter` on
@@ -68,6 +73,8 @@ def driver_reachable(timeout: float = 0.3) -> bool:
 
 
 RENDEZVOUS_GRACE_S = 1.0   # a rendezvous of live workers takes a fraction of this
+SEVERED_GRACE_S = 2.0      # a severed collective raises within milliseconds
+SHUTDOWN_GRACE_S = 2.0     # Horovod's shutdown joins a background loop that is between cycles
 LAST_ROWS_S = 1.0          # how long a worker that leaves at once waits for its store rows
 
 
@@ -83,9 +90,9 @@ class FastRecovery:
     what a death means in each phase (training, or re-forming the world)."""
 
     def __init__(self, events, heartbeat: Heartbeat, stall_after: float = 5.0,
-                 dies_connecting=lambda step: False) -> None:
+                 dies_recovering=lambda step: "") -> None:
         self.events, self.heartbeat, self.stall_after = events, heartbeat, stall_after
-        self.dies_connecting = dies_connecting   # a planned fault (faults.py): step -> bool
+        self.dies_recovering = dies_recovering   # a planned fault (faults.py): step -> when
         self.baseline = ConnectionBaseline()
         self.lifeline: Lifeline | None = None
         self.gloo: list = []
@@ -95,15 +102,18 @@ class FastRecovery:
         self._forming = False           # between before_init and enter: the world re-forms
         self._episode = 0               # which re-forming (each has its own watch)
         self._death_seen_at = 0.0       # the last death a lifeline reported while re-forming
-        self._handoff: Handoff | None = None   # out from before_init until hvd.init returns
+        self._doomed = ""               # when a planned fault kills this rank in this re-forming
+        self._handoff: Handoff | None = None   # out from before_init until the loop is entered
         self._last_size = 1             # the size of the world last entered
 
     # -- the runtime's calls ----------------------------------------------------------------
     def before_init(self) -> None:
         """Call before anything (re)initialises Horovod: a restore, a planned reset."""
         self._armed = False
+        self._episode += 1   # the watch of the world being left ends here
         self.baseline.mark()
         self._death_seen_at = 0.0
+        self._doomed = self.dies_recovering(self.heartbeat.step) if self.entered else ""
         first = not self.entered and self.lifeline is None
         if first and os.environ.get(restart.HANDOFF_ENV):
             self._take_place()
@@ -114,7 +124,6 @@ class FastRecovery:
         if not first:
             restart.await_assignment()
             self._put_handoff()
-        self._episode += 1
         self._forming = True
         threading.Thread(target=self._watch_forming, args=(self._episode,), name="regatta-forming",
                          daemon=True).start()
@@ -130,8 +139,15 @@ class FastRecovery:
             self.events.record("handoff_loaded", state.step, path=str(path))
 
     def initialised(self) -> None:
-        """Call once ``hvd.init`` has returned, before the sync changes the commit: from
-        here a death makes a collective fail, and no abort needs a hand-off."""
+        """Call once ``hvd.init`` has returned, before the sync changes the commit: the
+        hand-off's file is complete first (the sync rewrites the buffers it is read from);
+        it stays out until the loop is entered."""
+        if self._doomed == "syncing":
+            FaultPlan.kill_now(self.events, self.heartbeat.step, syncing=True)
+        if self._handoff is not None:
+            self._handoff.written()
+
+    def _withdraw(self) -> None:
         if self._handoff is not None:
             self._handoff.withdraw()
             self._handoff = None
@@ -141,7 +157,7 @@ class FastRecovery:
         ``allgather(obj, name)`` returns every rank's ``obj`` in rank order (under
         Horovod: ``hvd.allgather_object(obj, name=name)``)."""
         self._forming = False
-        self.initialised()
+        self._withdraw()
         restart.settle_environment()
         self.entered = True
         if self.lifeline is not None:   # peers still forming must not take this for a death
@@ -170,7 +186,7 @@ class FastRecovery:
 
     def close(self) -> None:
         self._forming = False
-        self.initialised()
+        self._withdraw()
         if self.lifeline is not None:
             self.lifeline.close(goodbye=True)
             self.lifeline = None
@@ -205,15 +221,16 @@ class FastRecovery:
 
     # -- while the world re-forms -----------------------------------------------------------
     def _watch_forming(self, episode: int) -> None:
-        """Until the loop is entered again: a death after ``hvd.init`` returned severs the
-        new world's connections (its sync then fails at once); a death while this rank is
-        in Gloo's rendezvous restarts it in place. While the driver is still placing the
-        workers, a death is the driver's to handle (and older marks mean nothing)."""
+        """Until the loop is entered again, by phase: Horovod's shutdown of the world left
+        (which cannot end while Gloo holds its background loop in a wait for a dead peer:
+        then this rank is restarted in place); the driver placing the workers (a death is
+        the driver's to handle, and older marks mean nothing); Gloo's rendezvous (a death
+        restarts this rank in place); the sync (a death severs the new world's connections,
+        which fails it at once, else restarts this rank in place)."""
         import horovod.torch as hvd
-        server = restart.rendezvous_server()
-        went_down, severed, assigned_at = not hvd.is_initialized(), False, None
-        doomed = self.entered and self.dies_connecting(self.heartbeat.step)
-        placed = False
+        server, began = restart.rendezvous_server(), time.time()
+        went_down, came_up, severed_at, assigned_at = not hvd.is_initialized(), False, 0.0, None
+        doomed, placed = self._doomed == "connecting", False
         while self._forming and self._episode == episode:
             # Quick until placed: the agent must not take a placed rank for a removed one.
             time.sleep(0.0002 if doomed else 0.02 if placed else 0.002)
@@ -221,16 +238,23 @@ class FastRecovery:
             if doomed and went_down and restart.assigned() and self._last_connection_due():
                 FaultPlan.kill_now(self.events, self.heartbeat.step, connecting=True)
             went_down = went_down or not initialised
-            if went_down and not placed and restart.assigned():
+            if not went_down:
+                if time.time() - began > SHUTDOWN_GRACE_S:
+                    self._restart_in_place("Horovod's shutdown waited on Gloo for a dead peer")
+                continue
+            if not placed and restart.assigned():
                 placed, handoff = True, self._handoff
                 if handoff is not None:   # withdrawn meanwhile: describe() does nothing
                     handoff.describe(restart.current_slot(), placed=True)   # local ranks move
-            if went_down and initialised:
-                if not severed and restart.marked(server):
+            if initialised:
+                came_up = True
+                if not severed_at and restart.marked(server):
                     count = sever(self.baseline.gloo_connections(exclude_fds=set()))
                     self.events.record("severed_while_recovering", self.heartbeat.step, severed=count)
-                    severed = True
-            elif went_down and restart.assigned():
+                    severed_at = time.time()
+                elif severed_at and time.time() - severed_at > SEVERED_GRACE_S:
+                    self._restart_in_place("Gloo still waited for a dead peer after the sever")
+            elif not came_up and restart.assigned():   # (came up, then down: its sync raises)
                 assigned_at = assigned_at or time.time()
                 if restart.marked(server):
                     self._restart_in_place("a peer died during the rendezvous")
@@ -255,7 +279,7 @@ class FastRecovery:
             (not self.entered or hasattr(self.state, "write_handoff"))
 
     def _put_handoff(self) -> None:
-        self.initialised()   # one hand-off out at a time (a reset can follow a restore)
+        self._withdraw()   # one hand-off out at a time (a reset can follow a restore)
         if self._can_be_replaced():
             self._handoff = Handoff(restart.own_handoff_path(),
                                     self.state if self.entered else None)

@@ -11,6 +11,8 @@ import pytest
 from conftest import PYTHON, ROOT, kill_tree
 from elastic import restart
 from elastic.launch.agent import WARMING_ENV
+from elastic.recovery import SHUTDOWN_GRACE_S
+from elastic.runtime.events import read_events
 
 JOB = ["-m", "jobs.digits", "--steps", "30", "--no-progress", "--db", ""]
 
@@ -84,6 +86,7 @@ def test_killed_worker_is_reported_as_killed(agent, tmp_path):
 
 ABORTS = str(ROOT / "tests" / "workers" / "abort_worker.py")
 TERMS = str(ROOT / "tests" / "workers" / "sigterm_worker.py")
+STUCK = str(ROOT / "tests" / "workers" / "stuck_shutdown_worker.py")
 
 
 def test_worker_aborted_while_re_forming_is_replaced_with_its_handoff(agent):
@@ -94,6 +97,22 @@ def test_worker_aborted_while_re_forming_is_replaced_with_its_handoff(agent):
     assert proc.returncode == 0, out
     handed = out.split("handoff out at ")[1].split()[0]
     assert f"replacement of {handed} slot 1" in out
+
+
+def test_a_survivor_whose_horovod_shutdown_hangs_is_replaced_with_its_commit(agent, tmp_path):
+    """A death just after the new world's ``hvd.init`` can leave a survivor's Horovod
+    background loop in a Gloo wait with no connection left to sever (seen: 30 s), and the
+    reset's ``hvd.shutdown`` waits for that loop. Within seconds its recovery restarts it in
+    place; the replacement gets its commit; horovodrun sees one worker that exited 0."""
+    proc = shim(agent, tmp_path, job=(STUCK,))
+    out, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 0 and "never restarted" not in out, out
+    assert "replacement given [b'commit of step 7']" in out, out
+    (restarted,) = [e for e in read_events(tmp_path) if e["kind"] == "restart_in_place"]
+    assert (restarted["reason"], restarted["handoff"]) == \
+        ("Horovod's shutdown waited on Gloo for a dead peer", True)
+    began = float(out.split("re-forming from ")[1].split()[0])
+    assert SHUTDOWN_GRACE_S <= restarted["wall_time"] - began < SHUTDOWN_GRACE_S + 3
 
 
 def test_worker_left_out_of_the_world_forming_is_not_replaced(agent):

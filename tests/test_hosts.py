@@ -103,6 +103,8 @@ def test_bad_local_options(tmp_path, args, message):
     (["--sigkill", "2@10+soon"], "--sigkill '2@10+soon' must look like HOST[/SLOT]@STEP[+AFTER]"),
     (["--sigkill", "3@10"], "host number 3 is outside 1..2"),
     (["--bandwidth", "2"], "--bandwidth '2' must look like HOST:RATE"),
+    (["--kill-syncing", "2@100"], "--kill-syncing 127.0.0.3@100: step must be between 1 and 99"),
+    (["--kill-syncing", "2"], "--kill-syncing '2' must look like HOST@STEP"),
 ])
 def test_bad_fault_options(args, message):
     """The outside faults' options, parsed as the command line parses them."""

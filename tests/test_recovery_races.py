@@ -1,7 +1,8 @@
 """Failures during a recovery: a second SIGKILL 100-250 ms after the first, from outside,
-while the survivors re-form the world; and a second death at the worst instant, while Gloo
-connects the new world, which makes Gloo abort every survivor. The job recovers on whoever
-is left and finishes in seconds, never after Gloo's 30 s rendezvous timeout."""
+while the survivors re-form the world; a second death at the worst instant, while Gloo
+connects the new world, which makes Gloo abort every survivor; and one the instant the new
+world is up, as the sync starts. The job recovers on whoever is left and finishes in
+seconds, never after Gloo's 30 s timeouts."""
 import json
 from collections import Counter
 
@@ -100,7 +101,7 @@ def killed_connecting(tmp_path_factory):
         tmp = tmp_path_factory.mktemp("connecting")
         report = tmp / "report.json"
         done = run([str(BIN / "regatta"), "local", "digits", "--hosts", "5", "--steps", "120",
-                    "--commit-every", "10", "--kill", "2@60", "--kill-connecting", "4@60",
+                    "--commit-every", "10", "--kill", "2@60", "--kill-connecting", "4@50",
                     "--run-dir", str(tmp / "run"), "--report", str(report), "--timeout", "150",
                     "--db", str(tmp / "m.db")],
                    timeout=170, env={"REGATTA_AUDIT": "1"}, check=False)
@@ -189,3 +190,41 @@ def test_survivors_that_ended_mid_recovery_left_their_recovery_in_the_store(kill
         assert {host for host, kind, _ in recorded if kind == "restore"} == survivors
         stored = {(e["host"], e["kind"], e["wall_time"]) for e in store.events(run_row["id"])}
         assert [event for event in recorded if event not in stored] == []
+
+
+@pytest.fixture(scope="module")
+def killed_syncing(tmp_path_factory):
+    """4 hosts; host 2 dies at step 40, host 3 in the recovery, the instant its ``hvd.init``
+    of the new world returns: the survivors' meshes are complete, their sync starts, and
+    Gloo has a connection to a dead peer in each of them. (Planned for the first recovery
+    after step 30: a survivor whose step 40 had not begun would not count that one.)"""
+    tmp = tmp_path_factory.mktemp("syncing")
+    report = tmp / "report.json"
+    done = run([str(BIN / "regatta"), "local", "digits", "--hosts", "4", "--steps", "100",
+                "--commit-every", "10", "--kill", "2@40", "--kill-syncing", "3@30",
+                "--run-dir", str(tmp / "run"), "--report", str(report), "--timeout", "150"],
+               timeout=170, env={"REGATTA_AUDIT": "1"}, check=False)
+    return done, json.loads(report.read_text()), (tmp / "run" / "horovodrun.log").read_text()
+
+
+def test_a_death_as_the_sync_starts_is_recovered_in_seconds(killed_syncing):
+    """A survivor whose Gloo waits for the dead peer with nothing left to sever (seen once:
+    30 s) is restarted in place with its commit; every other one fails its sync at once."""
+    done, report, log = killed_syncing
+    assert done.returncode == 0 and report["exit_code"] == 0, log[-3000:]
+    assert (report["final_step"], report["final_world_size"]) == (100, 2)
+    assert "Wait timeout" not in log and "failure count" not in log
+    first, second = kinds(report, "kill_injected")
+    assert (first["host"], second["host"], second.get("syncing")) == ("127.0.0.3", "127.0.0.4", True)
+    resumed = [e for e in kinds(report, "resumed") if e["wall_time"] > second["wall_time"]]
+    assert resumed and resumed[0]["wall_time"] - first["wall_time"] < 20   # never Gloo's 30 s
+    for host in ("127.0.0.2", "127.0.0.5"):
+        mine = [e for e in report["events"] if e["host"] == host]
+        commits = {e["step"]: e["param_hash"] for e in mine if e["kind"] == "commit"}
+        (sync,) = [e for e in mine if e["kind"] == "sync" and e["wall_time"] > second["wall_time"]]
+        if sync["source"] == "memory":   # else both copies of a share died: the checkpoint
+            assert (sync["from_step"], sync["param_hash"]) == (40, commits[40])
+        for restarted in [e for e in mine if e["kind"] == "restart_in_place"]:
+            loaded = [e for e in mine if e["kind"] == "handoff_loaded"
+                      and e["wall_time"] > restarted["wall_time"]]
+            assert loaded and loaded[0]["step"] == 40

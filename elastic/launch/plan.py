@@ -36,6 +36,7 @@ class LocalPlan:
     commit_every: int | str = 10
     kill: list = field(default_factory=list)      # [(host, step)]: the victim, at STEP
     kill_connecting: list = field(default_factory=list)   # [(host, step)]: see faults.py
+    kill_syncing: list = field(default_factory=list)      # [(host, step)]: see faults.py
     add: list = field(default_factory=list)       # [(host, step)]
     remove: list = field(default_factory=list)    # [(host, step)]
     slow: dict = field(default_factory=dict)      # {host: factor}
@@ -68,6 +69,7 @@ class LocalPlan:
             raise PlanError(f"network must be netns, aliases or auto, got {self.network!r}")
         steps = [("--kill", h, s) for h, s in self.kill] + [("--add", h, s) for h, s in self.add] \
             + [("--kill-connecting", h, s) for h, s in self.kill_connecting] \
+            + [("--kill-syncing", h, s) for h, s in self.kill_syncing] \
             + [("--remove", h, s) for h, s in self.remove] \
             + [(f"--{f['fault']}", f["host"], f["step"]) for f in self.faults]
         for option, host, step in steps:
@@ -109,7 +111,7 @@ class LocalPlan:
 
     @classmethod
     def from_json(cls, data: dict) -> "LocalPlan":
-        for key in ("kill", "kill_connecting", "add", "remove", "pause"):
+        for key in ("kill", "kill_connecting", "kill_syncing", "add", "remove", "pause"):
             data[key] = [tuple(entry) for entry in data[key]]
         return cls(**data)
 
@@ -177,6 +179,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kill-connecting", action="append", default=[], metavar="HOST@STEP",
                    help="the workers of HOST SIGKILL themselves in the first recovery after STEP, "
                         "the instant Gloo connects them to the new world")
+    p.add_argument("--kill-syncing", action="append", default=[], metavar="HOST@STEP",
+                   help="the workers of HOST SIGKILL themselves in the first recovery after STEP, "
+                        "the instant their hvd.init of the new world returns")
     p.add_argument("--sigkill", action="append", default=[], metavar="HOST[/SLOT]@STEP[+AFTER]",
                    help="SIGKILL HOST's training processes from outside, at a random instant after "
                         "STEP, or AFTER seconds after the fault listed before it")
@@ -253,6 +258,8 @@ def plan_from_args(args: argparse.Namespace) -> LocalPlan:
                            for h, s in (parse_at(v, "--kill") for v in args.kill)],
                      kill_connecting=[(resolve_host(h, args.hosts, 0), s) for h, s in
                                       (parse_at(v, "--kill-connecting") for v in args.kill_connecting)],
+                     kill_syncing=[(resolve_host(h, args.hosts, 0), s) for h, s in
+                                   (parse_at(v, "--kill-syncing") for v in args.kill_syncing)],
                      add=adds,
                      remove=[(resolve_host(h, args.hosts, 0), s)
                              for h, s in (parse_at(v, "--remove") for v in args.remove)],

@@ -58,7 +58,7 @@ class Runtime:
         self.heartbeat = Heartbeat()
         self.recovery = FastRecovery(
             self.events, self.heartbeat, cfg.stall_after,
-            dies_connecting=lambda step: env.faults.kills_connecting(env.host, step)) \
+            dies_recovering=lambda step: env.faults.dies_recovering(env.host, step)) \
             if env.elastic and env.fast_recovery else None
         self.policy = CommitPolicy(fixed=cfg.fixed_commit_every)
         self.reporter = StepReporter(self.sink, self.run_id, self.events, callbacks)

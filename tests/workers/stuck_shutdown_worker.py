@@ -1,0 +1,47 @@
+"""A survivor whose Horovod shutdown does not return: Gloo holds Horovod's background loop
+in a wait for a dead peer (until its 30 s timeout) and ``hvd.shutdown``, a reset's first
+call, joins that loop. Its recovery's watch must restart it in place, commit handed over.
+
+    HOROVOD_HOSTNAME=H python -m elastic.launch.shim tests/workers/stuck_shutdown_worker.py --run-dir DIR
+
+Run by a warm agent (tests/test_agent.py). Horovod is initialised for real (one rank) and
+then not shut down, which is what the watch sees of a shutdown that never returns. The
+replacement (REGATTA_HANDOFF set) prints the commit it was handed and exits 0.
+"""
+import os
+import sys
+import time
+from pathlib import Path
+
+from elastic import restart
+
+inherited = os.environ.get(restart.HANDOFF_ENV)
+if inherited:
+    handed = [p.read_bytes() for p in restart.handoff_files(Path(inherited))
+              if p.suffix != ".json" and p.exists()]
+    print("replacement given", handed, flush=True)
+    sys.exit(0)
+
+import horovod.torch as hvd  # noqa: E402 (a replacement exits without it)
+
+from elastic.liveness import Heartbeat  # noqa: E402
+from elastic.recovery import FastRecovery  # noqa: E402
+from elastic.runtime.events import EventLog  # noqa: E402
+
+
+class Committed:
+    """The training state's part of the contract the hand-off uses."""
+
+    def write_handoff(self, path: Path) -> None:
+        Path(path).write_bytes(b"commit of step 7")
+
+
+hvd.init()
+run_dir = sys.argv[sys.argv.index("--run-dir") + 1]
+recovery = FastRecovery(EventLog(run_dir, os.environ["HOROVOD_HOSTNAME"], 0), Heartbeat())
+recovery.adopt(Committed())
+recovery.entered = True        # it trained: it holds the job's state
+print("re-forming from", time.time(), flush=True)
+recovery.before_init()         # a peer died: restore, then the reset's hvd.shutdown() ...
+time.sleep(60)                 # ... which does not return
+print("never restarted", flush=True)
