@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from elastic.launch.netns import Network   # noqa: E402
 def main() -> None:
     stop_s = float(sys.argv[1]) if len(sys.argv) > 1 else 20.0
     os.environ["REGATTA_PRIVATE_NETWORK"] = "1"
-    with Network() as net:
+    with tempfile.TemporaryDirectory() as folder, Network(folder) as net:
         hosts = [net.add_host(f"host{i}") for i in range(4)]
         cluster = LightCluster(4, address=net.hub_address, places=hosts, stall_after=3.0)
         try:
