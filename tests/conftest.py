@@ -3,8 +3,10 @@ timeout, and always clean up their whole process group; a throwaway PostgreSQL s
 the session's one headless browser."""
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,6 +41,7 @@ def kill_tree(pid: int) -> None:
 # /tmp/regatta-spool: a worker adopts the spools that dead processes left there for the
 # same destination, and the user's own runs (and other checkouts) leave them too.
 os.environ["REGATTA_SPOOL_DIR"] = tempfile.mkdtemp(prefix="regatta-test-spool-")
+atexit.register(shutil.rmtree, os.environ["REGATTA_SPOOL_DIR"], ignore_errors=True)
 
 
 def outside_pid(host: str, pid: int) -> int:
