@@ -20,8 +20,8 @@ while its hand-off was out (restart.py, handoff.py). The hand-off stays out unti
 is entered: a death just after ``hvd.init`` can leave a survivor's Horovod background loop
 waiting in Gloo for the dead peer until Gloo's timeout (30 s), with no connection left to
 sever (Gloo had closed it; the receive was posted after). Such a rank is restarted in
-place: one still in the sync :data:`SEVERED_GRACE_S` after the sever, or one whose
-``hvd.shutdown`` (which joins that loop) has not returned after :data:`SHUTDOWN_GRACE_S`.
+place: one still in the sync :data:`GLOO_STUCK_S` after the sever, or one whose
+``hvd.shutdown`` (which joins that loop) has not returned by then.
 
 The runtime calls :meth:`FastRecovery.before_init` before every (re)initialisation,
 :meth:`FastRecovery.adopt` once its training state exists, :meth:`FastRecovery.enter` on
@@ -73,8 +73,7 @@ def driver_reachable(timeout: float = 0.3) -> bool:
 
 
 RENDEZVOUS_GRACE_S = 1.0   # a rendezvous of live workers takes a fraction of this
-SEVERED_GRACE_S = 2.0      # a severed collective raises within milliseconds
-SHUTDOWN_GRACE_S = 2.0     # Horovod's shutdown joins a background loop that is between cycles
+GLOO_STUCK_S = 2.0         # a severed collective raises, and a shutdown returns, in ms
 LAST_ROWS_S = 1.0          # how long a worker that leaves at once waits for its store rows
 
 
@@ -239,7 +238,7 @@ class FastRecovery:
                 FaultPlan.kill_now(self.events, self.heartbeat.step, connecting=True)
             went_down = went_down or not initialised
             if not went_down:
-                if time.time() - began > SHUTDOWN_GRACE_S:
+                if time.time() - began > GLOO_STUCK_S:
                     self._restart_in_place("Horovod's shutdown waited on Gloo for a dead peer")
                 continue
             if not placed and restart.assigned():
@@ -252,7 +251,7 @@ class FastRecovery:
                     count = sever(self.baseline.gloo_connections(exclude_fds=set()))
                     self.events.record("severed_while_recovering", self.heartbeat.step, severed=count)
                     severed_at = time.time()
-                elif severed_at and time.time() - severed_at > SEVERED_GRACE_S:
+                elif severed_at and time.time() - severed_at > GLOO_STUCK_S:
                     self._restart_in_place("Gloo still waited for a dead peer after the sever")
             elif not came_up and restart.assigned():   # (came up, then down: its sync raises)
                 assigned_at = assigned_at or time.time()

@@ -11,7 +11,7 @@ import pytest
 from conftest import PYTHON, ROOT, kill_tree
 from elastic import restart
 from elastic.launch.agent import WARMING_ENV
-from elastic.recovery import SHUTDOWN_GRACE_S
+from elastic.recovery import GLOO_STUCK_S
 from elastic.runtime.events import read_events
 
 JOB = ["-m", "jobs.digits", "--steps", "30", "--no-progress", "--db", ""]
@@ -112,7 +112,7 @@ def test_a_survivor_whose_horovod_shutdown_hangs_is_replaced_with_its_commit(age
     assert (restarted["reason"], restarted["handoff"]) == \
         ("Horovod's shutdown waited on Gloo for a dead peer", True)
     began = float(out.split("re-forming from ")[1].split()[0])
-    assert SHUTDOWN_GRACE_S <= restarted["wall_time"] - began < SHUTDOWN_GRACE_S + 3
+    assert GLOO_STUCK_S <= restarted["wall_time"] - began < GLOO_STUCK_S + 3
 
 
 def test_worker_left_out_of_the_world_forming_is_not_replaced(agent):
