@@ -104,6 +104,7 @@ class FastRecovery:
         self._doomed = ""               # when a planned fault kills this rank in this re-forming
         self._handoff: Handoff | None = None   # out from before_init until the loop is entered
         self._last_size = 1             # the size of the world last entered
+        self._leaving = threading.Lock()   # held by the one thread that restarts this rank
 
     # -- the runtime's calls ----------------------------------------------------------------
     def before_init(self) -> None:
@@ -295,6 +296,10 @@ class FastRecovery:
     def _restart_in_place(self, reason: str) -> None:
         if self._handoff is None:
             return   # no agent, or state that cannot be handed over: Horovod's timeout it is
+        # The watch and the main thread (init_failed) can both see a reason at once: one
+        # leaves, the other waits for the exit, so the replacement is asked for once.
+        if not self._leaving.acquire(blocking=False):
+            self._leaving.acquire()   # released by nobody: this process is ending
         self._handoff.describe(restart.current_slot(), placed=restart.assigned())
         written = self._handoff.written()
         self.events.record("restart_in_place", self.heartbeat.step, reason=reason,

@@ -2,6 +2,7 @@
 horovodrun (output, exit status, signals), and without an agent the shim just execs."""
 import json
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -113,6 +114,20 @@ def test_a_survivor_whose_horovod_shutdown_hangs_is_replaced_with_its_commit(age
         ("Horovod's shutdown waited on Gloo for a dead peer", True)
     began = float(out.split("re-forming from ")[1].split()[0])
     assert GLOO_STUCK_S <= restarted["wall_time"] - began < GLOO_STUCK_S + 3
+
+
+def test_a_rank_two_threads_restart_at_once_asks_for_one_replacement(agent, tmp_path):
+    """The watch restarts a rank while its main thread's ``hvd.init`` fails too (seen in a
+    5-host run: one survivor asked twice, was replaced once). The watch's last rows take
+    their full second here (the dashboard never answers): the main thread's reason comes
+    within it, and must wait for the exit, not ask again."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        proc = shim(agent, tmp_path, job=(STUCK,), args=("--ingest", url, "--init-fails"))
+        out, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 0 and "replacement given [b'commit of step 7']" in out, out
+    restarted = [e for e in read_events(tmp_path) if e["kind"] == "restart_in_place"]
+    assert [e["reason"] for e in restarted] == ["Horovod's shutdown waited on Gloo for a dead peer"]
 
 
 def test_worker_left_out_of_the_world_forming_is_not_replaced(agent):
