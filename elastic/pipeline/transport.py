@@ -285,10 +285,14 @@ class GlooTransport(Transport):
         import torch.distributed as dist
         self._dist = dist
         self.rank, self.size = rank, size
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
-        # Every rank must create every group, in the same order.
-        groups = [dist.new_group(ranks) for ranks in stage_groups]
+        try:
+            dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+            # Every rank must create every group, in the same order.
+            groups = [dist.new_group(ranks) for ranks in stage_groups]
+        except BaseException:
+            forget_group(dist)
+            raise
         self.dp_group, self.dp_size = groups[my_group], len(stage_groups[my_group])
 
     def _isend(self, tensor, peer, tag):
@@ -311,6 +315,18 @@ class GlooTransport(Transport):
 
     def close(self):
         self._dist.destroy_process_group()
+
+
+def forget_group(dist) -> None:
+    """Leave torch.distributed as a fresh process finds it, whatever state a group that
+    failed to form (a peer died meanwhile) left it in. torch names the default group by
+    how many it has made (its store keys start with that name), and only destroying one
+    resets the count: after a failed attempt this rank's next group would take a name a
+    fresh process (a replacement, an added host) does not, and the two would wait for each
+    other's keys until the timeout. Hence a group of one, made only to be destroyed."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.destroy_process_group()
 
 
 def free_port(host: str = "") -> int:

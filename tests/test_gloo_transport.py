@@ -1,0 +1,63 @@
+"""The pipeline's Gloo group forms between a rank that saw one fail to form and a fresh
+process (a replacement or an added host), in real processes on loopback:
+
+    python tests/test_gloo_transport.py ROLE FAILED_PORT PORT
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def survivor(failed_port: int, port: int) -> None:
+    """Rank 0 of a group whose peer never comes (it died), then of the next one."""
+    try:
+        GlooTransport(0, 2, f"tcp://127.0.0.1:{failed_port}", [[0], [1]], 0, timeout_s=1)
+    except RuntimeError as err:
+        print("first group failed:", type(err).__name__, flush=True)
+    meet(0, port)
+
+
+def meet(rank: int, port: int) -> None:
+    transport = GlooTransport(rank, 2, f"tcp://127.0.0.1:{port}", [[0], [1]], rank, timeout_s=30)
+    began = time.monotonic()
+    transport.barrier()
+    print(f"rank {rank} formed, barrier in {time.monotonic() - began:.3f} s", flush=True)
+    transport.close()
+
+
+def test_a_rank_whose_group_failed_to_form_meets_a_fresh_process(tmp_path):
+    from conftest import PYTHON, kill_tree
+    from elastic.pipeline.transport import free_port
+    failed, port = free_port("127.0.0.1"), free_port("127.0.0.1")
+    script = str(Path(__file__))
+    procs = [subprocess.Popen([PYTHON, script, role, str(failed), str(port)], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for role in ("survivor", "fresh")]
+    try:
+        began = time.monotonic()
+        outs = [p.communicate(timeout=60)[0] for p in procs]
+        took = time.monotonic() - began
+    finally:
+        for p in procs:
+            kill_tree(p.pid)
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "first group failed" in outs[0] and "rank 0 formed" in outs[0], outs
+    assert "rank 1 formed" in outs[1], outs
+    # the first group's 1 s timeout, then seconds; the bug waited out the second's 30 s
+    assert took < 20, outs
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    from elastic.pipeline.transport import GlooTransport
+    role, failed_port, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    if role == "survivor":
+        survivor(failed_port, port)
+    else:
+        time.sleep(2)    # joins once the survivor's first group has failed
+        meet(1, port)
