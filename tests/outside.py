@@ -16,6 +16,7 @@ import pytest
 from conftest import BIN, ROOT, kill_tree, outside_pid
 from elastic.runtime.events import read_events
 from elastic.runtime.shards import cover
+from monitor.event_kinds import KINDS, MINOR
 
 
 class LocalRun:
@@ -74,8 +75,22 @@ class LocalRun:
             code = self.proc.wait(max(1.0, self.deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pytest.fail(f"regatta local did not finish in time; see {self.log.name}")
-        assert code == 0, Path(self.log.name).read_text()[-4000:]
+        assert code == 0, self.why_it_failed()
         return json.loads(self.report.read_text())
+
+    def why_it_failed(self) -> str:
+        """What a failed run leaves to read in a CI log, where its run dir is gone: the
+        launcher's output, horovodrun's last lines and every rare event, one line each."""
+        horovodrun = self.run_dir / "horovodrun.log"
+        rare = [e for e in self.events() if e["kind"] != "start" and
+                (e["kind"] not in KINDS or KINDS[e["kind"]].klass != MINOR)]
+        lines = [f"{e['wall_time']:.3f} {e['host']}/{e.get('pid')} {e['kind']} step={e['step']} "
+                 + json.dumps({k: v for k, v in e.items()
+                               if k not in ("wall_time", "host", "pid", "kind", "step", "slot", "rank")})[:300]
+                 for e in rare[-60:]]
+        return "\n".join([Path(self.log.name).read_text()[-2000:], "-- horovodrun.log:",
+                          horovodrun.read_text()[-5000:] if horovodrun.exists() else "(none)",
+                          "-- events:", *lines])
 
 
 def held_at(events: list[dict], step: int) -> dict[str, list]:
