@@ -25,6 +25,43 @@ SMALL = ["--global-batch", "24", "--microbatches", "2", "--set", "model.dim=32",
 
 
 # -- pure pieces ---------------------------------------------------------------------------
+def test_a_replacement_takes_over_every_commit_its_predecessor_held(tmp_path):
+    """A pipeline rank restarted in place (its Gloo stuck or aborted while the world
+    re-forms) hands its commits to the worker that replaces it: both generations, every
+    range it held (its stage, its buddy's copy), bit for bit, with the plan and layer costs."""
+    from elastic.pipeline.elastic_state import ElasticPipeline
+    from elastic.pipeline.planner import LayerCosts
+    from elastic.pipeline.rebalance import export_stage
+    torch.manual_seed(0)
+    stages = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)]
+    shards = []
+    for stage in stages:
+        optimizer = torch.optim.Adam(stage.parameters())
+        stage(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+        shards.append(export_stage(stage, optimizer))
+    leaving = ElasticPipeline(runtime=None, engine=None)
+    leaving.gens = [{"step": 40, "epoch": 1, "consumed": 96, "extent": 2, "held": {(0, 1): shards[0], (1, 2): shards[1]}},
+                    {"step": 35, "epoch": 1, "consumed": 72, "extent": 2, "held": {(0, 1): shards[0]}}]
+    leaving.buddy, leaving.last_plan = [1, 0], {"pp": 2, "dp": 1, "stages": [[0, 1], [1, 2]]}
+    leaving.costs = LayerCosts(seconds=(0.1, 0.2), param_bytes=(80, 40), out_bytes=(48, 24), batch=3,
+                               names=("a", "b"))
+    leaving.write_handoff(tmp_path / "handoff.pt")
+    replacement = ElasticPipeline(runtime=None, engine=None)
+    replacement.load_handoff(tmp_path / "handoff.pt")
+    assert replacement.step == 40 and replacement.run is None
+    assert (replacement.buddy, replacement.last_plan, replacement.costs) == \
+        (leaving.buddy, leaving.last_plan, leaving.costs)
+    for mine, theirs in zip(replacement.gens, leaving.gens, strict=True):
+        assert {k: mine[k] for k in ("step", "epoch", "consumed", "extent")} == \
+            {k: theirs[k] for k in ("step", "epoch", "consumed", "extent")}
+        assert mine["held"].keys() == theirs["held"].keys()
+        for rng, shard in theirs["held"].items():
+            assert tensor_digests(mine["held"][rng]["model"]) == tensor_digests(shard["model"])
+            for name, moments in shard["optimizer"].items():
+                assert tensor_digests(mine["held"][rng]["optimizer"][name]) == tensor_digests(moments)
+
+
 def test_model_digest_does_not_depend_on_the_stage_split():
     torch.manual_seed(0)
     state = {f"{i}.weight": torch.randn(3, 3) for i in range(4)}

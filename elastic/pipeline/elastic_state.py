@@ -19,21 +19,27 @@ from __future__ import annotations
 import socket
 import time
 from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
 
 import torch.distributed as dist
 from horovod.common.exceptions import HorovodInternalError
 
 from elastic.data.sampler import Cursor
+from elastic.runtime import checkpoint as saving
 from elastic.runtime.shards import buddies, cover, covering_step, kept_by
 from elastic.runtime.state import RuntimeState
 
 from . import checkpoint as ckpt
 from .config import Plan, make_plan
-from .planner import choose, measure_job, plan_grid
+from .planner import LayerCosts, choose, measure_job, plan_grid
 from .rebalance import export_stage, import_stage
 from .run import build_run, resume
 from .shards import exchange, model_digest, shard_bytes, tensor_digests
 from .transport import GlooTransport, free_port
+
+
+HANDOFF_FORMAT = "regatta-pipeline-handoff/1"
 
 
 def comm_error(err: RuntimeError) -> bool:
@@ -135,6 +141,26 @@ class ElasticPipeline(RuntimeState):
 
     def load_checkpoint(self) -> dict | None:
         return resume(self.run)
+
+    def write_handoff(self, path: Path) -> None:
+        """This rank's commits (its stage, and its buddy's copy when dp = 1), for the worker
+        that replaces it in place (elastic/restart.py): it rejoins holding what this rank held."""
+        gens = [{**g, "held": [[*rng, shard] for rng, shard in g["held"].items()]} for g in self.gens]
+        saving.save_atomic({"format": HANDOFF_FORMAT, "gens": gens, "buddy": self.buddy,
+                            "costs": asdict(self.costs) if self.costs else None,
+                            "last_plan": self.last_plan}, Path(path))
+
+    def load_handoff(self, path: Path) -> None:
+        saved = saving.load(path, expect=HANDOFF_FORMAT)
+        if saved is None:
+            raise saving.CheckpointError(f"no hand-over at {path}")
+        self.gens = [{**g, "held": {(start, end): shard for start, end, shard in g["held"]}}
+                     for g in saved["gens"]]
+        self.buddy, self.last_plan = saved["buddy"], saved["last_plan"]
+        costs = saved["costs"]
+        self.costs = LayerCosts(**{k: tuple(v) if isinstance(v, list) else v for k, v in costs.items()}) \
+            if costs else None
+        self.restore_committed()
 
     def audit_hash(self) -> str | None:
         """The whole model's digest (replica 0 of each stage contributes; a collective)."""

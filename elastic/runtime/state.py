@@ -18,6 +18,9 @@ the engine, which implements:
     audit_hash()           digests of the state (REGATTA_AUDIT=1 records them): a string
                            (the model's) or a dict of named digests
     leave_world()          optional: release what belongs to this world before a reset
+    write_handoff(path)    optional: this rank's commit to a file, and load_handoff(path)
+                           to take it up; with them a rank stuck while the world re-forms
+                           is replaced in place with its commit (elastic/recovery.py)
 
 Host updates use two public seams of Horovod's ``State``: ``on_hosts_updated`` (the
 listener the notification manager calls) and ``check_host_updates``, overridden to return
