@@ -8,7 +8,7 @@ import pytest
 from conftest import BIN, ROOT
 from elastic.launch.hosts import (Host, HostsError, format_discovery, parse_discovery,
                                   parse_hostfile, run_discovery, write_discovery)
-from elastic.launch.local import apply_due_changes
+from elastic.launch.local import TAKE_UP_S, apply_due_changes
 from elastic.launch.plan import PlanError, parse_plan
 from elastic.runtime.events import EventLog, read_events
 
@@ -155,6 +155,27 @@ def test_a_discovery_file_is_never_seen_half_written(tmp_path):
     writing.clear()
     reader.join(timeout=10)
     assert len(seen) >= 200 and set(seen) <= whole, set(seen) - whole
+
+
+def test_a_change_to_a_host_waits_until_the_job_took_up_the_last_one(tmp_path):
+    """Removed at 400, back at 700: on a fast job step 700 can come before horovodrun saw
+    the removal (the world is still 3); the addition waits for the world to move, or for
+    TAKE_UP_S; the changes after it wait with it (they keep their order)."""
+    path, log, edited = tmp_path / "hosts.txt", EventLog(tmp_path, "launcher", 0), {}
+    start = [Host("127.0.0.2", 1), Host("127.0.0.3", 1), Host("127.0.0.4", 1)]
+    changes = [(400, "remove", "127.0.0.4"), (700, "add", "127.0.0.4"), (700, "add", "127.0.0.5")]
+    hosts = apply_due_changes(changes, 400, start, 1, path, log, world=3, edited=edited)
+    assert path.read_text() == "127.0.0.2:1\n127.0.0.3:1\n"
+    assert apply_due_changes(changes, 700, hosts, 1, path, log, world=3, edited=edited) == hosts
+    assert changes == [(700, "add", "127.0.0.4"), (700, "add", "127.0.0.5")]   # both kept: in order
+    hosts = apply_due_changes(changes, 705, hosts, 1, path, log, world=2, edited=edited)
+    assert path.read_text() == "127.0.0.2:1\n127.0.0.3:1\n127.0.0.4:1\n127.0.0.5:1\n" and not changes
+    assert [(e["kind"], e["target"], e["step"]) for e in read_events(tmp_path)] == [
+        ("host_removed", "127.0.0.4", 400), ("host_added", "127.0.0.4", 705), ("host_added", "127.0.0.5", 705)]
+    # a change the job never takes up (the world never moves) holds the next back no longer
+    changes = [(800, "remove", "127.0.0.5")]
+    edited["127.0.0.5"] = (4, time.monotonic() - TAKE_UP_S)
+    assert apply_due_changes(changes, 800, hosts, 1, path, log, world=4, edited=edited) == hosts[:3]
 
 
 def test_changes_due_at_one_step_are_one_discovery_change(tmp_path):

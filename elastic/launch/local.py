@@ -207,7 +207,7 @@ def _supervise(plan: LocalPlan, hosts: list[Host], hosts_file: Path, log: EventL
     stopping.forward_to(proc, group=True)
     bar = tqdm(total=plan.steps, desc=f"{plan.job} (local)", unit="step", dynamic_ncols=True)
     deadline = time.monotonic() + plan.timeout
-    pace = Pace()
+    pace, edited = Pace(), {}
     try:
         agents_ready()
         while proc.poll() is None and not stopping.requested:
@@ -220,7 +220,8 @@ def _supervise(plan: LocalPlan, hosts: list[Host], hosts_file: Path, log: EventL
                 bar.set_postfix(np=seen[1], refresh=False)
                 bar.refresh()
                 injector.reached(seen[0], pace.step(seen[0]))
-                hosts = apply_due_changes(changes, seen[0], hosts, plan.slots, hosts_file, log)
+                hosts = apply_due_changes(changes, seen[0], hosts, plan.slots, hosts_file, log,
+                                          world=seen[1], edited=edited)
             time.sleep(0.02)
     finally:
         bar.close()
@@ -233,12 +234,26 @@ def _supervise(plan: LocalPlan, hosts: list[Host], hosts_file: Path, log: EventL
     return proc.returncode
 
 
+TAKE_UP_S = 10.0   # the longest a change to a host waits for the job to take up the last
+
+
 def apply_due_changes(changes: list, reached: int, hosts: list[Host], slots: int,
-                      hosts_file: Path, log: EventLog) -> list[Host]:
+                      hosts_file: Path, log: EventLog, world: int | None = None,
+                      edited: dict | None = None) -> list[Host]:
     """Apply the planned changes due by step ``reached`` (popping them) and rewrite the
-    discovery file once, so changes due at one step reach horovodrun as one change."""
+    discovery file once, so changes due at one step reach horovodrun as one change.
+
+    A change to a host waits while the job has not re-formed since the last change to that
+    host (its world size ``world`` is still the one that change saw; ``edited`` remembers,
+    host -> (world, when)), at most TAKE_UP_S: a host removed at step 400 and added at 700
+    was otherwise back in the file before horovodrun's discovery (about once a second) saw
+    it go, whenever 300 steps took less, and the removal never happened."""
+    edited = {} if edited is None else edited
     due = []
     while changes and reached >= changes[0][0]:
+        last = edited.get(changes[0][2])
+        if last and last[0] == world and time.monotonic() - last[1] < TAKE_UP_S:
+            break
         due.append(changes.pop(0))
     for _, action, host in due:
         hosts = _apply(action, host, hosts, slots)
@@ -248,6 +263,7 @@ def apply_due_changes(changes: list, reached: int, hosts: list[Host], slots: int
     for step, action, host in due:
         kind = {"add": "host_added", "remove": "host_removed"}[action]
         log.record(kind, reached, wall_time=now, target=host, planned_step=step)
+        edited[host] = (world, time.monotonic())
     return hosts
 
 
