@@ -296,10 +296,9 @@ class FastRecovery:
     def _restart_in_place(self, reason: str) -> None:
         if self._handoff is None:
             return   # no agent, or state that cannot be handed over: Horovod's timeout it is
-        # The watch and the main thread (init_failed) can both see a reason at once: one
-        # leaves, the other waits for the exit, so the replacement is asked for once.
-        if not self._leaving.acquire(blocking=False):
-            self._leaving.acquire()   # released by nobody: this process is ending
+        # The watch and the main thread (init_failed) can both see a reason at once: the
+        # second waits here for the first one's exit, so the replacement is asked for once.
+        self._leaving.acquire()   # released by nobody: this process is ending
         self._handoff.describe(restart.current_slot(), placed=restart.assigned())
         written = self._handoff.written()
         self.events.record("restart_in_place", self.heartbeat.step, reason=reason,

@@ -34,6 +34,7 @@ bytes travel either way, so results do not depend on the path.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 
@@ -291,7 +292,8 @@ class GlooTransport(Transport):
             # Every rank must create every group, in the same order.
             groups = [dist.new_group(ranks) for ranks in stage_groups]
         except BaseException:
-            forget_group(dist)
+            with contextlib.suppress(Exception):   # the first error is the one to report
+                forget_group(dist)
             raise
         self.dp_group, self.dp_size = groups[my_group], len(stage_groups[my_group])
 
