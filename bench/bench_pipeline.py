@@ -110,7 +110,8 @@ def worker(opts) -> None:
     from torch import nn
     from mpi4py import MPI
     from elastic.pipeline.grid import Grid, cut
-    from elastic.pipeline.transport import GlooTransport, MpiTransport, free_port
+    from elastic.pipeline.gloo_transport import GlooTransport, free_port
+    from elastic.pipeline.transport import MpiTransport
     torch.set_num_threads(1)
     rank = MPI.COMM_WORLD.Get_rank()
     transport = MpiTransport(dp_color=rank, dp_key=0)

@@ -32,7 +32,7 @@ def meet(rank: int, port: int) -> None:
 
 def test_a_rank_whose_group_failed_to_form_meets_a_fresh_process(tmp_path):
     from conftest import PYTHON, kill_tree
-    from elastic.pipeline.transport import free_port
+    from elastic.pipeline.gloo_transport import free_port
     failed, port = free_port("127.0.0.1"), free_port("127.0.0.1")
     script = str(Path(__file__))
     procs = [subprocess.Popen([PYTHON, script, role, str(failed), str(port)], cwd=ROOT,
@@ -54,7 +54,7 @@ def test_a_rank_whose_group_failed_to_form_meets_a_fresh_process(tmp_path):
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    from elastic.pipeline.transport import GlooTransport
+    from elastic.pipeline.gloo_transport import GlooTransport
     role, failed_port, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     if role == "survivor":
         survivor(failed_port, port)

@@ -36,7 +36,7 @@ from .planner import LayerCosts, choose, measure_job, plan_grid
 from .rebalance import export_stage, import_stage
 from .run import build_run, resume
 from .shards import exchange, model_digest, shard_bytes, tensor_digests
-from .transport import GlooTransport, free_port
+from .gloo_transport import GlooTransport, free_port
 
 
 HANDOFF_FORMAT = "regatta-pipeline-handoff/1"
@@ -157,9 +157,7 @@ class ElasticPipeline(RuntimeState):
         self.gens = [{**g, "held": {(start, end): shard for start, end, shard in g["held"]}}
                      for g in saved["gens"]]
         self.buddy, self.last_plan = saved["buddy"], saved["last_plan"]
-        costs = saved["costs"]
-        self.costs = LayerCosts(**{k: tuple(v) if isinstance(v, list) else v for k, v in costs.items()}) \
-            if costs else None
+        self.costs = LayerCosts(**saved["costs"]) if saved["costs"] else None
         self.restore_committed()
 
     def audit_hash(self) -> str | None:

@@ -3,8 +3,9 @@
 * :class:`MpiTransport` (runs launched by ``mpirun``): mpi4py ``Isend``/``Irecv`` straight on
   the tensors' memory (``MPI.BYTE`` views, so any dtype works and nothing is pickled);
   data-parallel gradient sums run on a ``Comm.Split`` sub-communicator per stage.
-* :class:`GlooTransport` (runs launched by ``horovodrun``, where there is no MPI world, see
-  shared/DESIGN.md): a torch.distributed Gloo group, with one sub-group per stage.
+* :class:`~elastic.pipeline.gloo_transport.GlooTransport` (runs launched by ``horovodrun``,
+  where there is no MPI world, see shared/DESIGN.md): a torch.distributed Gloo group, with
+  one sub-group per stage.
 
 A stage sends and receives every step's activations and gradients through the same
 buffers (``send_channel``, ``recv_channel``: under MPI persistent requests, started again
@@ -34,9 +35,7 @@ bytes travel either way, so results do not depend on the path.
 """
 from __future__ import annotations
 
-import contextlib
 import os
-import socket
 
 import torch
 
@@ -62,18 +61,6 @@ class Handle:
 
     def _test(self) -> bool:
         return self.request.Test()
-
-
-class _GlooHandle(Handle):
-    def _test(self) -> bool:
-        return self.request.is_completed()
-
-    def wait(self) -> torch.Tensor:
-        # Gloo sleeps in its own wait (no spinning), and is_completed() alone never
-        # surfaces a peer's failure; wait() raises it.
-        self.request.wait()
-        self._done = True
-        return self.tensor
 
 
 class _Staged(Handle):
@@ -279,64 +266,6 @@ class MpiTransport(Transport):
         self.comm.Free()
 
 
-class GlooTransport(Transport):
-    def __init__(self, rank: int, size: int, init_method: str, stage_groups: list[list[int]],
-                 my_group: int, timeout_s: float = 300.0):
-        import datetime
-        import torch.distributed as dist
-        self._dist = dist
-        self.rank, self.size = rank, size
-        try:
-            dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
-            # Every rank must create every group, in the same order.
-            groups = [dist.new_group(ranks) for ranks in stage_groups]
-        except BaseException:
-            with contextlib.suppress(Exception):   # the first error is the one to report
-                forget_group(dist)
-            raise
-        self.dp_group, self.dp_size = groups[my_group], len(stage_groups[my_group])
-
-    def _isend(self, tensor, peer, tag):
-        return _GlooHandle(self._dist.isend(tensor, peer, tag=tag), tensor, POLL_CAP_S)
-
-    def _irecv(self, tensor, peer, tag):
-        return _GlooHandle(self._dist.irecv(tensor, peer, tag=tag), tensor, POLL_CAP_S)
-
-    def _allreduce_dp(self, flat):
-        if self.dp_size > 1:
-            self._dist.all_reduce(flat, group=self.dp_group)
-
-    def gather_object(self, obj, root=0):
-        out = [None] * self.size if self.rank == root else None
-        self._dist.gather_object(obj, out, dst=root)
-        return out
-
-    def barrier(self):
-        self._dist.barrier()
-
-    def close(self):
-        self._dist.destroy_process_group()
-
-
-def forget_group(dist) -> None:
-    """Leave torch.distributed as a fresh process finds it, whatever state a group that
-    failed to form (a peer died meanwhile) left it in. torch names the default group by
-    how many it has made (its store keys start with that name), and only destroying one
-    resets the count: after a failed attempt this rank's next group would take a name a
-    fresh process (a replacement, an added host) does not, and the two would wait for each
-    other's keys until the timeout. Hence a group of one, made only to be destroyed."""
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    dist.destroy_process_group()
-
-
-def free_port(host: str = "") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def make_transport(kind: str, world, stage_groups: list[list[int]], my_group: int,
                    collectives, env) -> Transport:
     """``kind``: mpi | gloo | auto (mpi under mpirun, else gloo). A Gloo group meets at
@@ -346,6 +275,7 @@ def make_transport(kind: str, world, stage_groups: list[list[int]], my_group: in
         kind = "mpi" if env.launcher == "mpirun" else "gloo"
     if kind == "mpi":
         return MpiTransport(dp_color=my_group, dp_key=world.rank, cuda_aware=env.mpi_cuda_aware)
+    from .gloo_transport import GlooTransport, free_port   # imports this module
     init = env.pipe_init
     if not init:
         from elastic.recovery import host_address   # reachable from other namespaces too
