@@ -24,11 +24,12 @@ from . import checkpoint as ckpt
 from .config import PipelineConfig, make_plan
 from .elastic_state import ElasticPipeline, translated
 from .fixed_state import FixedPipeline
+from .gloo_transport import GlooTransport, free_port
 from .planner import PlannerConfig
 from .rebalance import Balancer
 from .run import build_run
 from .step import train_step
-from .transport import make_transport
+from .transport import MpiTransport, Transport
 
 
 class PipelineEngine:
@@ -122,3 +123,20 @@ class PipelineEngine:
                       "pipeline": {"pp": run.plan.pp, "dp": run.plan.dp, "schedule": run.plan.schedule,
                                    "microbatches": run.plan.microbatches},
                       "metrics": self.job.evaluate(full), "wall_time": time.time()}
+
+
+def make_transport(kind: str, world, stage_groups: list[list[int]], my_group: int,
+                   collectives, env) -> Transport:
+    """``kind``: mpi | gloo | auto (mpi under mpirun, else gloo). A Gloo group meets at
+    ``REGATTA_PIPE_INIT`` if set, else at an address rank 0 picks and broadcasts over the
+    runtime's collectives (MPI or Horovod)."""
+    if kind == "auto":
+        kind = "mpi" if env.launcher == "mpirun" else "gloo"
+    if kind == "mpi":
+        return MpiTransport(dp_color=my_group, dp_key=world.rank, cuda_aware=env.mpi_cuda_aware)
+    init = env.pipe_init
+    if not init:
+        from elastic.recovery import host_address   # reachable from other namespaces too
+        mine = f"tcp://{host_address(world.host)}:{free_port()}" if world.is_root else None
+        init = collectives.broadcast_object(mine, "regatta.pipe.init_method")
+    return GlooTransport(world.rank, world.size, init, stage_groups, my_group)

@@ -264,21 +264,3 @@ class MpiTransport(Transport):
                 pass
         self.dp_comm.Free()
         self.comm.Free()
-
-
-def make_transport(kind: str, world, stage_groups: list[list[int]], my_group: int,
-                   collectives, env) -> Transport:
-    """``kind``: mpi | gloo | auto (mpi under mpirun, else gloo). A Gloo group meets at
-    ``REGATTA_PIPE_INIT`` if set, else at an address rank 0 picks and broadcasts over the
-    runtime's collectives (MPI or Horovod)."""
-    if kind == "auto":
-        kind = "mpi" if env.launcher == "mpirun" else "gloo"
-    if kind == "mpi":
-        return MpiTransport(dp_color=my_group, dp_key=world.rank, cuda_aware=env.mpi_cuda_aware)
-    from .gloo_transport import GlooTransport, free_port   # imports this module
-    init = env.pipe_init
-    if not init:
-        from elastic.recovery import host_address   # reachable from other namespaces too
-        mine = f"tcp://{host_address(world.host)}:{free_port()}" if world.is_root else None
-        init = collectives.broadcast_object(mine, "regatta.pipe.init_method")
-    return GlooTransport(world.rank, world.size, init, stage_groups, my_group)
