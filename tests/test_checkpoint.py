@@ -4,11 +4,20 @@ corrupt file (runtime/checkpoint.py). Whole jobs resuming are in test_state.py."
 from __future__ import annotations
 
 import hashlib
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from elastic.runtime.checkpoint import CheckpointError, CheckpointWriter, load, previous_path
+from elastic.runtime.runs import resumed_run_id
+
+ROOT = Path(__file__).resolve().parents[1]
 
 FORMAT = "regatta-test/1"
 
@@ -68,3 +77,36 @@ def test_foreign_and_corrupt_files_are_refused_by_name(tmp_path):
         load(path, expect=FORMAT)
     assert digest(previous_path(path)) == kept
     assert load(previous_path(path), expect=FORMAT)["step"] == 1
+
+
+MARKING = """
+import sys, itertools
+from pathlib import Path
+from elastic.runtime.runs import mark_checkpoint_folder
+folder = Path(sys.argv[1])
+for n in itertools.count():
+    mark_checkpoint_folder(folder, ("run-a", "run-b")[n % 2])
+    if n == 10:
+        print("marking", flush=True)
+"""
+
+
+def test_a_job_killed_while_marking_its_checkpoint_folder_still_resumes(tmp_path):
+    """SIGKILL from outside at random instants of a process rewriting the run-id marker
+    (the CI once found it empty after a whole-job kill): it always names a whole run id,
+    and an empty one is refused by name rather than starting a new run."""
+    rng = random.Random(7)
+    for _ in range(25):
+        marker = subprocess.Popen([sys.executable, "-c", MARKING, str(tmp_path)], cwd=ROOT,
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            assert marker.stdout.readline() == "marking\n"
+            time.sleep(rng.uniform(0, 0.05))
+        finally:
+            marker.kill()
+            marker.wait(timeout=10)
+        assert (tmp_path / "run_id").read_text() in ("run-a", "run-b")
+    (tmp_path / "run_id").write_text("")
+    cfg = SimpleNamespace(resume="auto", checkpoint_path=tmp_path / "state.pt")
+    with pytest.raises(ValueError, match=f"{tmp_path / 'run_id'} is empty"):
+        resumed_run_id(cfg)

@@ -199,7 +199,7 @@ def test_whole_job_restart_resumes_from_disk_checkpoint(tmp_path):
     assert saved["step"] % 20 == 0 and 120 <= saved["step"] < 1000
     done = subprocess.run(cmd + ["--resume", "auto"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=180)
-    assert done.returncode == 0, done.stdout[-3000:]
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     resumes = [e for e in read_events(run_dir) if e["kind"] == "resume"]
     assert len(resumes) == 1 and resumes[0]["step"] == saved["step"]
     assert resumes[0]["run_id"] == saved["run_id"]
@@ -214,7 +214,7 @@ def test_whole_job_restart_resumes_from_disk_checkpoint(tmp_path):
     assert first_after == saved["step"] + 10
     again = subprocess.run(cmd[:10] + ["--steps", "20", "--db", str(tmp_path / "m.db"), "--no-progress"],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
-    assert again.returncode == 0, again.stdout[-3000:]
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     store = Store(str(tmp_path / "m.db"))
     runs = {r["id"]: r for r in store.runs()}
     store.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import os
 import secrets
 import subprocess
 import sys
@@ -29,11 +30,29 @@ def resumed_run_id(cfg) -> str:
         return cfg.resume
     marker = cfg.checkpoint_path.parent / RUN_ID_FILE
     try:
-        return marker.read_text().strip()
+        run_id = marker.read_text().strip()
     except FileNotFoundError:
         raise FileNotFoundError(f"train.resume = 'auto', but {marker} does not exist on this host "
                                 f"(no checkpoint was written there): pass the run id to continue "
                                 f"(the dashboard and the first log line show it)") from None
+    if not run_id:
+        raise ValueError(f"train.resume = 'auto', but {marker} is empty: pass the run id to "
+                         f"continue (the dashboard and the first log line show it)")
+    return run_id
+
+
+def mark_checkpoint_folder(folder: Path, run_id: str) -> None:
+    """Say which run the checkpoint folder belongs to (``train.resume = auto``). Written
+    whole or not at all: a job killed while writing it must still resume."""
+    marker = folder / RUN_ID_FILE
+    try:
+        if marker.read_text() == run_id:
+            return
+    except FileNotFoundError:
+        pass
+    draft = folder / f"{RUN_ID_FILE}.draft"
+    draft.write_text(run_id)
+    os.replace(draft, marker)
 
 
 _trainings = itertools.count()   # runs started by this process (every rank starts the same ones)

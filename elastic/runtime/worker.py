@@ -31,7 +31,8 @@ from .env import Env
 from .checkpoint import CheckpointError
 from .events import EventLog, Progress
 from .reporting import HostSampler, StepReporter, memcpy_bandwidth
-from .runs import RUN_ID_FILE, code_revision, launcher_name, new_run_id, open_sink, resumed_run_id, run_row
+from .runs import (code_revision, launcher_name, mark_checkpoint_folder, new_run_id, open_sink,
+                   resumed_run_id, run_row)
 from .world import World, share_cores
 
 _current: "Runtime | None" = None   # the runtime of the training running in this process
@@ -273,8 +274,7 @@ class Runtime:
             self.writing = None
 
     def _mark_checkpoint(self) -> None:
-        """Say which run the checkpoint folder belongs to (``train.resume = auto``)."""
-        (self.cfg.checkpoint_path.parent / RUN_ID_FILE).write_text(self.run_id)
+        mark_checkpoint_folder(self.cfg.checkpoint_path.parent, self.run_id)
 
     def resumed(self, state, detail: dict | None) -> None:
         """The state was loaded from the checkpoint folder (``train.resume``)."""
