@@ -80,17 +80,24 @@ class LocalRun:
 
     def why_it_failed(self) -> str:
         """What a failed run leaves to read in a CI log, where its run dir is gone: the
-        launcher's output, horovodrun's last lines and every rare event, one line each."""
-        horovodrun = self.run_dir / "horovodrun.log"
-        rare = [e for e in self.events() if e["kind"] != "start" and
-                (e["kind"] not in KINDS or KINDS[e["kind"]].klass != MINOR)]
-        lines = [f"{e['wall_time']:.3f} {e['host']}/{e.get('pid')} {e['kind']} step={e['step']} "
-                 + json.dumps({k: v for k, v in e.items()
-                               if k not in ("wall_time", "host", "pid", "kind", "step", "slot", "rank")})[:300]
-                 for e in rare[-60:]]
-        return "\n".join([Path(self.log.name).read_text()[-2000:], "-- horovodrun.log:",
-                          horovodrun.read_text()[-5000:] if horovodrun.exists() else "(none)",
-                          "-- events:", *lines])
+        launcher's output, then ``what_happened``."""
+        return "\n".join([Path(self.log.name).read_text()[-2000:],
+                          what_happened(self.run_dir, self.events())])
+
+
+def what_happened(run_dir: Path, events: list[dict]) -> str:
+    """horovodrun's last lines and every rare event, one line each: what a failed run's
+    assertion shows in a CI log, where the run dir is gone."""
+    horovodrun = Path(run_dir) / "horovodrun.log"
+    rare = [e for e in events if e["kind"] != "start" and
+            (e["kind"] not in KINDS or KINDS[e["kind"]].klass != MINOR)]
+    lines = [f"{e['wall_time']:.3f} {e['host']}/{e.get('pid')} {e['kind']} step={e['step']} "
+             + json.dumps({k: v for k, v in e.items()
+                           if k not in ("wall_time", "host", "pid", "kind", "step", "slot", "rank")})[:300]
+             for e in rare[-60:]]
+    return "\n".join(["-- horovodrun.log:",
+                      horovodrun.read_text()[-5000:] if horovodrun.exists() else "(none)",
+                      "-- events:", *lines])
 
 
 def held_at(events: list[dict], step: int) -> dict[str, list]:

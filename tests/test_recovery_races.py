@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 
 from conftest import BIN, kinds, run
+from outside import what_happened
 from elastic.launch import netns
 from elastic.runtime.events import read_events
 from monitor.store import Store
@@ -128,10 +129,11 @@ def failed_before_the_kills(report) -> list:
 def test_every_attempt_finishes_on_the_survivors(killed_connecting):
     """Not one healthy host lost: a survivor whose init, lifelines or collectives broke
     under it recovered instead of ending (exit 1) and having its host counted failed."""
-    for done, report, log, _ in killed_connecting:
+    for done, report, log, tmp in killed_connecting:
         assert done.returncode == 0 and report["exit_code"] == 0, log[-3000:]
         killed = len(kinds(report, "kill_injected"))
-        assert (report["final_step"], report["final_world_size"]) == (120, 5 - killed)
+        assert (report["final_step"], report["final_world_size"]) == (120, 5 - killed), \
+            what_happened(tmp / "run", report["events"])
         assert "failure count" not in log and "Wait timeout" not in log
         assert "exit with status code 1." not in log, log[-3000:]
 
