@@ -52,10 +52,12 @@ def claim(path: str):
     return None
 
 
-def _open_locked(path: str, patience_s: float = 1.0):
+def _open_locked(path: str, patience_s: float = 10.0):
     """``path`` opened for appending and locked. A new file exists for an instant before
     its lock: a producer starting at that instant (restarted workers start together) may
-    take it for a dead one's, adopt it (empty) and remove it. Then open it anew."""
+    take it for a dead one's, adopt it (empty) and remove it. Then open it anew. The
+    adopter holds the lock while it moves rows, longer when the machine is busy: hence
+    the patience."""
     deadline = time.monotonic() + patience_s
     while True:
         fh = open(path, "a+b")

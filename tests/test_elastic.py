@@ -4,12 +4,15 @@ import json
 import os
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import PYTHON, ROOT, kill_tree, kinds, regatta_local
 from elastic.runtime.events import read_events
+from monitor.sink import destination_of
+from monitor.spool import spool_tag
 from monitor.store import Store
 
 K = 10   # commit interval used below
@@ -19,7 +22,7 @@ K = 10   # commit interval used below
 def kill_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("kill")
     report = regatta_local(tmp, "digits", "--hosts", "3", "--steps", "240", "--commit-every", str(K),
-                           "--kill", "2@75", job_args=["--db", str(tmp / "m.db")])
+                           "--kill", "2@75", "--db", str(tmp / "m.db"))
     return tmp, report
 
 
@@ -108,6 +111,11 @@ def test_store_holds_failure_and_world_size_change(kill_run):
         per_size.setdefault(size, set()).add(step)
     assert max(per_size[3]) == 75 and min(per_size[2]) == 71 and max(per_size[2]) == 240
     assert run["status"] == "finished"
+    # The killed worker's spool (an empty file: it had delivered everything) was replayed
+    # and removed by the launcher, not left for a later run on this store to adopt.
+    tag = spool_tag(destination_of(db=str(tmp / "m.db")))
+    assert list(Path(os.environ["REGATTA_SPOOL_DIR"]).glob(f"{tag}.*")) == []
+    assert report["replayed_rows"] == 0
 
 
 def test_added_host_joins_with_committed_state(tmp_path):

@@ -352,6 +352,7 @@ from elastic.recovery import leave_now
 from elastic.runtime.events import EventLog
 from elastic.runtime.runs import run_row
 from monitor.sink import SQLiteSink
+from monitor.store import Store
 db, folder, how = sys.argv[1:]
 sink = SQLiteSink(db, spool_dir=folder + "/spool")
 sink.emit(run_row("r1", "job", "running"))
@@ -360,7 +361,10 @@ events = EventLog(folder, "h", 0, sink=sink, run_id="r1")
 events.record("commit", 10)    # routine: it waits for its batch (about a second)
 events.record("restore", 10, from_step=12, steps_redone=2)
 if how == "aborted":           # as Gloo aborts a survivor, a few hundred ms into re-forming
-    time.sleep(0.5)
+    store = Store(db)          # (sent without a flush: waiting the time a busy machine takes)
+    deadline = time.monotonic() + 20
+    while len(store.events("r1")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
     os.abort()
 events.record("restart_in_place", 10, reason="a peer died during the rendezvous")
 leave_now(events, 76)          # as a survivor asking its agent for a replacement

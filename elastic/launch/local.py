@@ -27,7 +27,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from monitor.sink import make_sink
+from monitor.replay import replay
+from monitor.sink import destination_of, make_sink
 
 from ..runtime.events import EventLog, read_progress
 from ..faults import ENV as FAULTS_ENV, FaultPlan
@@ -118,6 +119,17 @@ def run_local(plan: LocalPlan) -> dict:
     return _run_here(plan, kind)
 
 
+def _replay_spools_of_the_dead(plan: LocalPlan) -> int:
+    """A worker killed mid-run leaves its spool (rows it could not deliver, or an empty
+    file): delivered now, every worker being gone, rather than left in the spool folder
+    for a later run on the same store to find. The rows delivered."""
+    if not (plan.db or plan.ingest):
+        return 0
+    replayed = replay(only=destination_of(db=plan.db or None, ingest=plan.ingest or None),
+                      token=os.environ.get("REGATTA_INGEST_TOKEN"))
+    return replayed.delivered
+
+
 def _fresh(run_dir: Path) -> None:
     if run_dir.exists():
         shutil.rmtree(run_dir)
@@ -173,8 +185,10 @@ def _run_here(plan: LocalPlan, kind: str) -> dict:
                           worker_env(plan, run_id, agent_dir), "rg0" if kind == "netns" else "lo")
     log.close()
     sink.close()
+    replayed = _replay_spools_of_the_dead(plan)
     report = build_report(run_dir, exit_code=code, plan=plan)
     report["run_id"], report["network"] = run_id, kind
+    report["replayed_rows"] = replayed
     write_report(report, run_dir / "report.json")
     if plan.report:
         write_report(report, Path(plan.report))

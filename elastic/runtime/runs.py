@@ -50,9 +50,15 @@ def mark_checkpoint_folder(folder: Path, run_id: str) -> None:
             return
     except FileNotFoundError:
         pass
-    draft = folder / f"{RUN_ID_FILE}.draft"
-    draft.write_text(run_id)
-    os.replace(draft, marker)
+    replace_text(marker, run_id)
+
+
+def replace_text(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all (a draft renamed over it): for files another
+    process reads while this one may be killed."""
+    draft = path.with_name(f"{path.name}.{os.getpid()}.draft")
+    draft.write_text(text)
+    os.replace(draft, path)
 
 
 _trainings = itertools.count()   # runs started by this process (every rank starts the same ones)

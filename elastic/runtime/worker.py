@@ -32,7 +32,7 @@ from .checkpoint import CheckpointError
 from .events import EventLog, Progress
 from .reporting import HostSampler, StepReporter, memcpy_bandwidth
 from .runs import (code_revision, launcher_name, mark_checkpoint_folder, new_run_id, open_sink,
-                   resumed_run_id, run_row)
+                   replace_text, resumed_run_id, run_row)
 from .world import World, share_cores
 
 _current: "Runtime | None" = None   # the runtime of the training running in this process
@@ -327,9 +327,10 @@ class Runtime:
         mine, result = self.engine.finish(state)
         folder = self.run_dir / "final"
         folder.mkdir(exist_ok=True)
-        (folder / f"{self.world.host}-{self.world.slot}.json").write_text(json.dumps(mine))
+        # Whole or not at all: the launcher's report reads them, after a deadline's kill too.
+        replace_text(folder / f"{self.world.host}-{self.world.slot}.json", json.dumps(mine))
         if self.world.is_root:
-            (self.run_dir / "result.json").write_text(json.dumps(result, indent=1))
+            replace_text(self.run_dir / "result.json", json.dumps(result, indent=1))
             self.sink.emit(run_row(self.run_id, self.job, "finished", finished_at=time.time()))
         self.events.record("finish", state.step, size=self.world.size, **result.get("metrics", {}))
         return result if self.world.is_root else mine
