@@ -148,7 +148,7 @@ def test_a_host_removed_then_added_again_joins_at_once(tmp_path):
     assert [(c["kind"], c["host"], c["size_after"]) for c in report["changes"]] == [
         ("host_added", "127.0.0.4", 3), ("host_removed", "127.0.0.4", 2), ("host_added", "127.0.0.4", 3)]
     again = report["changes"][2]
-    assert again["first_step_done_s"] < 15 and again["steps_redone"] == 0
+    assert again["first_step_done_s"] < 25 and again["steps_redone"] == 0
     assert kinds(report, "slot_failed") == [] and kinds(report, "no_place") == []
 
 

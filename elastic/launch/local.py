@@ -248,7 +248,10 @@ def _supervise(plan: LocalPlan, hosts: list[Host], hosts_file: Path, log: EventL
     return proc.returncode
 
 
-TAKE_UP_S = 10.0   # the longest a change to a host waits for the job to take up the last
+# The longest a change to a host waits for the job to take up the last one: a join takes
+# 2-3 s here, several times that on two busy cores; only a change that moves no world
+# size waits it out.
+TAKE_UP_S = 30.0
 
 
 def apply_due_changes(changes: list, reached: int, hosts: list[Host], slots: int,
