@@ -327,7 +327,6 @@ class Runtime:
         mine, result = self.engine.finish(state)
         folder = self.run_dir / "final"
         folder.mkdir(exist_ok=True)
-        # Whole or not at all: the launcher's report reads them, after a deadline's kill too.
         replace_text(folder / f"{self.world.host}-{self.world.slot}.json", json.dumps(mine))
         if self.world.is_root:
             replace_text(self.run_dir / "result.json", json.dumps(result, indent=1))
