@@ -26,8 +26,9 @@ import http.client
 import json
 import os
 import tempfile
-import time
 from pathlib import Path
+
+from .whole_files import replace_text
 
 RESTART_EXIT = 76   # "replace me": the agent forks a fresh worker for the slot
 CUT_OFF_EXIT = 75   # this worker's host lost the network: it leaves the job
@@ -162,9 +163,7 @@ def describe_handoff(path: Path, slot: int, placed: bool = False) -> None:
     """Beside the hand-off: the slot it belongs to now (local ranks move on resets), and
     whether the driver has placed it in the world forming. Written whole or not at all:
     the agent reads its presence and ``placed``, the replacement its slot."""
-    draft = Path(f"{path}.json.tmp")
-    draft.write_text(json.dumps({"slot": slot, "placed": placed}))
-    os.replace(draft, f"{path}.json")
+    replace_text(f"{path}.json", json.dumps({"slot": slot, "placed": placed}))
 
 
 def handoff_files(path: Path) -> list[Path]:

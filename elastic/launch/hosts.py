@@ -4,11 +4,12 @@ Every parse error names the source, the line number and the offending text.
 """
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..whole_files import replace_text
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -110,6 +111,4 @@ def write_discovery(path: Path, hosts: list[Host]) -> None:
     """Replace a discovery file in one step: horovodrun's discovery poll reads it at any
     instant, and a file caught truncated, or half written, would list hosts that are not
     the plan's (no hosts at all, or ``127.0.``)."""
-    draft = path.with_name(path.name + ".new")
-    draft.write_text(format_discovery(hosts))
-    os.replace(draft, path)
+    replace_text(path, format_discovery(hosts))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import os
 import secrets
 import subprocess
 import sys
@@ -17,6 +16,8 @@ import time
 from pathlib import Path
 
 from monitor.sink import make_sink
+
+from ..whole_files import replace_text
 
 from .env import Env
 
@@ -51,14 +52,6 @@ def mark_checkpoint_folder(folder: Path, run_id: str) -> None:
     except FileNotFoundError:
         pass
     replace_text(marker, run_id)
-
-
-def replace_text(path: Path, text: str) -> None:
-    """Write ``path`` whole or not at all (a draft renamed over it): for files another
-    process reads while this one may be killed."""
-    draft = path.with_name(f"{path.name}.{os.getpid()}.draft")
-    draft.write_text(text)
-    os.replace(draft, path)
 
 
 _trainings = itertools.count()   # runs started by this process (every rank starts the same ones)

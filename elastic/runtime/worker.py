@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from elastic.recovery import FastRecovery
 from elastic.liveness import Heartbeat
+from elastic.whole_files import replace_text
 
 from .collectives import Alone, HorovodCollectives, MpiCollectives
 from .commit_policy import CommitPolicy
@@ -32,7 +33,7 @@ from .checkpoint import CheckpointError
 from .events import EventLog, Progress
 from .reporting import HostSampler, StepReporter, memcpy_bandwidth
 from .runs import (code_revision, launcher_name, mark_checkpoint_folder, new_run_id, open_sink,
-                   replace_text, resumed_run_id, run_row)
+                   resumed_run_id, run_row)
 from .world import World, share_cores
 
 _current: "Runtime | None" = None   # the runtime of the training running in this process
