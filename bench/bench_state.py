@@ -138,17 +138,17 @@ def report_additions(found: dict, count: int) -> float:
     """Prints the distributions side by side; regatta's p95 (s)."""
     print(f"\n== a host joining: {count} additions per flavour (digits, 2 hosts + 1) ==")
     print(f"{'':10s} {'joined':>7s} {'p50':>7s} {'p95':>7s} {'max':>7s}   "
-          f"{'re-initialised p50':>18s} {'synced p50':>10s}")
+          f"{'noticed p50':>11s} {'re-initialised p50':>18s} {'synced p50':>10s}")
     p95 = {}
     for flavour, changes in found.items():
         joined = [c for c in changes if c["size_after"] == 3 and c["first_step_done_s"] is not None]
         seconds = [c["first_step_done_s"] for c in joined] or [float("nan")]
         p95[flavour] = percentile(seconds, 0.95)
         phase = {key: statistics.median([c[key] for c in joined if c[key] is not None] or [float("nan")])
-                 for key in ("reset_done_s", "state_synced_s")}
+                 for key in ("detected_s", "reset_done_s", "state_synced_s")}
         shown = {key: f"{value:.2f}" if value == value else "-" for key, value in phase.items()}
         print(f"{flavour:10s} {len(joined):3d}/{len(changes):<3d} {statistics.median(seconds):7.2f} "
-              f"{p95[flavour]:7.2f} {max(seconds):7.2f}   {shown['reset_done_s']:>18s} "
+              f"{p95[flavour]:7.2f} {max(seconds):7.2f}   {shown['detected_s']:>11s} {shown['reset_done_s']:>18s} "
               f"{shown['state_synced_s']:>10s}")
     for flavour, changes in found.items():
         print(f"{flavour:10s} each (s): " + " ".join(

@@ -128,6 +128,8 @@ def test_added_host_joins_with_committed_state(tmp_path):
     (added,) = report["changes"]
     assert added["kind"] == "host_added" and added["host"] == "127.0.0.4"
     assert added["size_after"] == 3 and added["steps_redone"] == 0
+    # detected: rank 0 noticed the edit (its own host_added), before the new world formed
+    assert 0 <= added["detected_s"] <= added["reset_done_s"] <= added["first_step_done_s"]
     after = [e for e in kinds(report, "sync") if e["wall_time"] > added["wall_time"]]
     assert {e["host"] for e in after} == {"127.0.0.2", "127.0.0.3", "127.0.0.4"}
     assert len({e["param_hash"] for e in after}) == 1 and len({e["step"] for e in after}) == 1

@@ -34,27 +34,12 @@ from pathlib import Path
 from ..restart import (AGENT_CHILD_ENV, CUT_OFF_EXIT, HANDOFF_ENV, RESTART_EXIT, handoff_files,
                        handoff_out, handoff_path, handoff_placed, put_mark,
                        rendezvous_server)
+from .agent_address import DIR_ENV, NAMESPACE_ENV, WARMING_ENV, socket_name  # noqa: F401 (its users')
 from .target import Target
 
 MAX_RESTARTS = 20   # replacements of one slot's worker in a row (a worker that keeps
                     # asking to be replaced would otherwise never give its slot back)
 REFILL_WINDOW_S = 60.0   # a host whose workers fail twice within this is given up on
-
-SOCKET_PREFIX = "\0regatta-agent-"   # abstract unix socket: nothing to clean up on disk
-NAMESPACE_ENV = "REGATTA_AGENT_NAMESPACE"
-DIR_ENV = "REGATTA_AGENT_DIR"   # sockets as files there: they cross network namespaces
-WARMING_ENV = "REGATTA_AGENTS_WARMING"   # a file that exists while the agents warm up
-
-
-def socket_name(host: str, namespace: str | None = None) -> str:
-    """Agents of different launches on one machine (simulated hosts share it) must not
-    serve each other's workers: the launcher's namespace keeps them apart. An abstract
-    socket belongs to one network namespace, so hosts in namespaces use a file."""
-    folder = os.environ.get(DIR_ENV, "")
-    if folder:
-        return os.path.join(folder, f"{host}.sock")
-    namespace = os.environ.get(NAMESPACE_ENV, "") if namespace is None else namespace
-    return f"{SOCKET_PREFIX}{namespace}-{host}" if namespace else SOCKET_PREFIX + host
 
 
 def tell(message: dict) -> None:

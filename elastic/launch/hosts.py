@@ -74,15 +74,16 @@ def parse_hostfile(text: str, source: str = "hostfile") -> list[Host]:
     return _unique(hosts, source)
 
 
-def parse_discovery(text: str, source: str = "discovery output") -> list[Host]:
-    """Host discovery output: ``name`` or ``name:slots`` per line."""
+def parse_discovery(text: str, source: str = "discovery output", default_slots: int = 1) -> list[Host]:
+    """Host discovery output: ``name`` or ``name:slots`` per line (a bare name has
+    ``default_slots``, horovodrun's ``--slots-per-host``)."""
     hosts = []
     for number, line in _lines(text):
         where = f"{source}:{number}"
         name, sep, slots = line.partition(":")
         if " " in line or "\t" in line:
             raise HostsError(f"{where}: {line!r} is not HOST or HOST:SLOTS")
-        count = _slots(slots, where) if sep else 1
+        count = _slots(slots, where) if sep else default_slots
         try:
             hosts.append(Host(name, count))
         except HostsError as err:
@@ -90,7 +91,7 @@ def parse_discovery(text: str, source: str = "discovery output") -> list[Host]:
     return _unique(hosts, source)
 
 
-def run_discovery(command: str, timeout: float = 10.0) -> list[Host]:
+def run_discovery(command: str, timeout: float = 10.0, default_slots: int = 1) -> list[Host]:
     """Run a discovery script once, as horovodrun would, and parse what it prints."""
     try:
         done = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=timeout)
@@ -100,7 +101,7 @@ def run_discovery(command: str, timeout: float = 10.0) -> list[Host]:
         detail = done.stderr.strip() or done.stdout.strip() or "no output"
         raise HostsError(f"discovery script {command!r} failed with exit code "
                          f"{done.returncode}: {detail}")
-    return parse_discovery(done.stdout, f"output of {command!r}")
+    return parse_discovery(done.stdout, f"output of {command!r}", default_slots)
 
 
 def format_discovery(hosts: list[Host]) -> str:

@@ -212,7 +212,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ingest", default="", help="dashboard URL the job sends metrics to")
     p.add_argument("--gloo-timeout", type=int, default=30, help="seconds (Horovod's default 30)")
     p.add_argument("--stock-recovery", action="store_true",
-                   help="turn off fast failure detection (stock Horovod behaviour)")
+                   help="stock Horovod behaviour: no fast failure detection, and horovodrun's "
+                        "discovery once a second (not the moment the hosts file changes)")
     p.add_argument("--cold-workers", action="store_true",
                    help="start each worker as a fresh Python process (no warm agents)")
     p.add_argument("--timeout", type=float, default=600.0)

@@ -24,6 +24,10 @@ def recovery(events: list[dict], trigger: dict, until: float) -> dict:
     failed = next((e for e in events if e["kind"] == "slot_failed" and e.get("target") == trigger.get("target", trigger["host"])
                    and trigger["wall_time"] <= e["wall_time"] < until), None)
     out["slot_action"] = None if failed is None else failed["action"]
+    if trigger["kind"] in ("host_added", "host_removed"):   # an edit: detected when rank 0 noticed
+        noticed = next((e for e in events if e["kind"] == trigger["kind"] and e["host"] != "launcher"
+                        and trigger["wall_time"] <= e["wall_time"] < until), None)
+        out["detected_s"] = None if noticed is None else noticed["wall_time"] - trigger["wall_time"]
     return out
 
 

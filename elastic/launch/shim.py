@@ -20,7 +20,7 @@ import socket
 import sys
 import time
 
-from .agent import WARMING_ENV, socket_name
+from .agent_address import WARMING_ENV, socket_name
 
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
