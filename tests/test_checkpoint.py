@@ -4,7 +4,9 @@ corrupt file (runtime/checkpoint.py). Whole jobs resuming are in test_state.py."
 from __future__ import annotations
 
 import hashlib
+import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -14,7 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from elastic.runtime.checkpoint import CheckpointError, CheckpointWriter, load, previous_path
+from elastic.runtime.checkpoint import CheckpointError, load, previous_path
+from elastic.runtime.checkpoint_writer import CheckpointWriter
 from elastic.runtime.runs import resumed_run_id
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,6 +43,62 @@ def test_background_writes_keep_the_previous_checkpoint_and_never_overlap(tmp_pa
     assert load(path, expect=FORMAT)["step"] == 2
     assert load(previous_path(path), expect=FORMAT)["step"] == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state.previous.pt", "state.pt"]
+
+
+def test_the_shared_snapshot_is_written_over_only_after_its_write_ended(tmp_path):
+    """One shared memory and one writer process serve every checkpoint; the next
+    snapshot goes into that memory only once the write in flight has ended."""
+    live = {"w": torch.zeros(20_000_000), "b": [torch.zeros(3, dtype=torch.bfloat16)], "step": 0}
+
+    def snapshot(step: int):
+        def take() -> dict:
+            live["w"].fill_(float(step))
+            live["b"][0].fill_(-float(step))
+            live["step"] = step
+            return {"format": FORMAT, **live}
+        return take
+
+    path, writer = tmp_path / "state.pt", CheckpointWriter()
+    try:
+        writer.submit(snapshot(1), path)          # 80 MB: still writing when the next comes
+        process = writer.pid
+        writer.submit(snapshot(2), path).result(timeout=120)
+        assert writer.pid == process               # the same writer, the same memory
+        for saved, step in ((load(previous_path(path), expect=FORMAT), 1), (load(path, expect=FORMAT), 2)):
+            assert saved["step"] == step and bool((saved["w"] == step).all())
+            assert saved["b"][0].dtype == torch.bfloat16 and saved["b"][0].tolist() == [-step] * 3
+        assert os.sched_getscheduler(process) == os.SCHED_IDLE    # only CPU no rank wants
+    finally:
+        writer.close()
+
+
+def test_a_writer_killed_mid_write_fails_that_checkpoint_only(tmp_path):
+    """SIGKILL of the writer process from outside at random instants of its writes: that
+    checkpoint fails with a message naming it, the one in force stays whole, the next
+    write starts a new writer and clears the killed one's temporary file."""
+    path, writer, outcomes = tmp_path / "state.pt", CheckpointWriter(), []
+    try:
+        for step in range(1, 7):
+            done = writer.submit(lambda: payload(step, numel=30_000_000), path)    # 120 MB
+            if step > 1:     # kill once the write is under way (its temporary exists)
+                deadline = time.monotonic() + 60
+                while not list(tmp_path.glob("state.pt.*.tmp")) and time.monotonic() < deadline \
+                        and not done.done():
+                    time.sleep(0.005)
+                time.sleep(random.uniform(0.0, 0.2))
+                os.kill(writer.pid, signal.SIGKILL)
+            try:
+                done.result(timeout=120)
+                outcomes.append(step)
+            except RuntimeError as err:
+                assert f"before writing {path}" in str(err) and "untouched" in str(err)
+            assert load(path, expect=FORMAT)["step"] == outcomes[-1]
+        assert len(outcomes) < 6      # some kill came mid-write
+        assert writer.submit(lambda: payload(7), path).result(timeout=120)["bytes"] > 0
+        assert load(path, expect=FORMAT)["step"] == 7
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["state.previous.pt", "state.pt"]
+    finally:
+        writer.close()
 
 
 def test_a_failed_write_leaves_the_checkpoint_in_force_untouched(tmp_path):

@@ -12,8 +12,8 @@ GradScaler, the user's own), plus the step and the sampler cursor.
   (a ``state_lost`` event); with none on disk the job stops with a message saying so.
 * A sync where no one holds a commit (a fresh start) sends rank 0's live state (the seed,
   or the checkpoint rank 0 resumed from); new workers get the last commit.
-* Rank 0 writes the durable checkpoint in a background thread from a snapshot
-  (runtime/checkpoint.py), so the other ranks do not wait for the disk.
+* Rank 0 writes the durable checkpoint from a snapshot in shared memory, in a process at
+  the lowest CPU priority (runtime/checkpoint_writer.py), so no rank waits for the disk.
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ import torch
 
 from elastic.data.sampler import Cursor
 from elastic.runtime import checkpoint
-from elastic.runtime.flat import Flat, copy_to_host, tree_digest
+from elastic.runtime.checkpoint_writer import CheckpointWriter
+from elastic.runtime.flat import Flat, tree_digest
 from elastic.runtime.shards import Part, buddies, cover, covering_step, kept_by, shares
 from elastic.runtime.state import RuntimeState
 
@@ -43,7 +44,7 @@ class TrainState(RuntimeState):
         self._commit: snapshot.Commit | None = None
         self._stale = False              # after a failure: live tensors are not at self.step
         self._placement: tuple | None = None    # (World, buddies) of the last sync
-        self._writer = checkpoint.CheckpointWriter()
+        self._writer = CheckpointWriter()
         self._checkpointed_step: int | None = None
 
     @property
@@ -181,12 +182,18 @@ class TrainState(RuntimeState):
     def write_checkpoint(self):
         """Rank 0: snapshot the live state, then write it in the background; a Future of
         the checkpoint event's detail."""
-        if not self.runtime.world.is_root or self._checkpointed_step == self.step:
+        if not self.runtime.world.is_root:
+            self._writer.close()      # rank 0 of an earlier world: its memory is no use now
+            return None
+        if self._checkpointed_step == self.step:
             return None
         self._checkpointed_step = self.step
-        return self._writer.submit(lambda: {"format": FORMAT, "run_id": self.runtime.run_id,
-                                            "world_size": self.runtime.world.size,
-                                            **copy_to_host(self.live())}, self._checkpoint_path)
+        return self._writer.submit(self._checkpoint_payload, self._checkpoint_path)
+
+    def _checkpoint_payload(self) -> dict:
+        """The live state: the writer copies it into its shared memory at once."""
+        return {"format": FORMAT, "run_id": self.runtime.run_id,
+                "world_size": self.runtime.world.size, **self.live()}
 
     def load_checkpoint(self) -> dict | None:
         saved = checkpoint.load(self._checkpoint_path, expect=FORMAT)

@@ -5,8 +5,7 @@ mid-write leaves the previous checkpoint intact, never a torn file; the one it r
 stays beside it as ``<name>.previous<suffix>`` (a hard link, no copy), so a file damaged
 later still leaves one to fall back on. Read back with ``weights_only=True``: a
 checkpoint holds tensors and plain values only, so loading one never runs code from the
-file. ``CheckpointWriter`` writes in a background thread from a snapshot the training
-thread took (CheckFreq's snapshot/persist split), one write at a time.
+file. checkpoint_writer.py writes them in the background.
 """
 from __future__ import annotations
 
@@ -14,12 +13,8 @@ import hashlib
 import os
 import pickle
 import tempfile
-import threading
-import time
 import zipfile
-from concurrent.futures import Future
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -36,6 +31,9 @@ def save_atomic(payload: dict, path: Path, keep_previous: bool = False) -> int:
     """Write ``payload`` to ``path`` atomically; the bytes written. ``keep_previous``: the
     checkpoint it replaces stays as ``previous_path(path)``."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    # One write at a time per checkpoint: a temporary already there is a killed writer's.
+    for stale in path.parent.glob(f"{path.name}.*.tmp*"):
+        stale.unlink(missing_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
@@ -112,50 +110,3 @@ def state_hash(state: dict) -> str:
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
-
-
-WRITER_NICE = 19
-
-
-class CheckpointWriter:
-    """Durable writes in a background thread, one at a time: ``submit`` first waits for
-    the write in flight. The thread is not a daemon, so a process that ends while one is
-    in flight finishes it first."""
-
-    def __init__(self):
-        self._thread: threading.Thread | None = None
-
-    def wait(self) -> float:
-        """Block until no write is in flight; the seconds spent waiting."""
-        started = time.perf_counter()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        return time.perf_counter() - started
-
-    def submit(self, snapshot: Callable[[], dict], path: Path, keep_previous: bool = True) -> Future:
-        """Wait for the write in flight, take ``snapshot()`` here (a payload no one will
-        modify any more), then write it to ``path`` in the background. The future's result
-        is the checkpoint event's detail, or the write's exception."""
-        waited = self.wait()
-        started = time.perf_counter()
-        payload = snapshot()
-        snapshot_s = time.perf_counter() - started
-        future: Future = Future()
-
-        def write() -> None:
-            # Lowest CPU priority for this thread only: where cores are scarce, training
-            # keeps them and the write fills the gaps (waits in collectives, I/O).
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
-            started = time.perf_counter()
-            try:
-                size = save_atomic(payload, path, keep_previous)
-            except BaseException as err:  # noqa: BLE001 - handed to whoever waits on it
-                future.set_exception(err)
-            else:
-                future.set_result({"path": str(path), "bytes": size, "waited_s": waited,
-                                   "snapshot_s": snapshot_s, "background": True,
-                                   "write_s": time.perf_counter() - started})
-        self._thread = threading.Thread(target=write, name="regatta-checkpoint")
-        self._thread.start()
-        return future

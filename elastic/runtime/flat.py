@@ -126,17 +126,6 @@ def slots_of(skeleton) -> list[TensorSlot]:
     return slots
 
 
-def copy_to_host(tree, pin: bool = False):
-    """A deep copy with every tensor cloned into (pinned, if asked) host memory."""
-    def clone(value):
-        if not torch.is_tensor(value):
-            return value
-        host = torch.empty(value.shape, dtype=value.dtype, pin_memory=pin and value.is_cuda)
-        host.copy_(value.detach())
-        return host
-    return map_tree(tree, clone)
-
-
 def tree_digest(tree) -> str:
     """A short digest of a whole tree, plain values and tensor bytes alike: equal on two
     ranks exactly when their trees are bit for bit equal."""
