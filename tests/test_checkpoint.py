@@ -25,6 +25,16 @@ ROOT = Path(__file__).resolve().parents[1]
 FORMAT = "regatta-test/1"
 
 
+def up(writer: CheckpointWriter) -> CheckpointWriter:
+    """The writer with its process started and ready (before, writes go to a thread)."""
+    writer.start()
+    deadline = time.monotonic() + 60
+    while not writer.ready and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert writer.ready
+    return writer
+
+
 def payload(step: int, numel: int = 1000) -> dict:
     return {"format": FORMAT, "step": step, "w": torch.full((numel,), float(step))}
 
@@ -58,11 +68,14 @@ def test_the_shared_snapshot_is_written_over_only_after_its_write_ended(tmp_path
             return {"format": FORMAT, **live}
         return take
 
-    path, writer = tmp_path / "state.pt", CheckpointWriter()
+    path, writer = tmp_path / "state.pt", up(CheckpointWriter())
     try:
         writer.submit(snapshot(1), path)          # 80 MB: still writing when the next comes
         process = writer.pid
+        assert writer.busy
         writer.submit(snapshot(2), path).result(timeout=120)
+        writer.wait()
+        assert not writer.busy
         assert writer.pid == process               # the same writer, the same memory
         for saved, step in ((load(previous_path(path), expect=FORMAT), 1), (load(path, expect=FORMAT), 2)):
             assert saved["step"] == step and bool((saved["w"] == step).all())
@@ -79,6 +92,7 @@ def test_a_writer_killed_mid_write_fails_that_checkpoint_only(tmp_path):
     path, writer, outcomes = tmp_path / "state.pt", CheckpointWriter(), []
     try:
         for step in range(1, 7):
+            up(writer)
             done = writer.submit(lambda: payload(step, numel=30_000_000), path)    # 120 MB
             if step > 1:     # kill once the write is under way (its temporary exists)
                 deadline = time.monotonic() + 60
@@ -97,6 +111,68 @@ def test_a_writer_killed_mid_write_fails_that_checkpoint_only(tmp_path):
         assert writer.submit(lambda: payload(7), path).result(timeout=120)["bytes"] > 0
         assert load(path, expect=FORMAT)["step"] == 7
         assert sorted(p.name for p in tmp_path.iterdir()) == ["state.previous.pt", "state.pt"]
+    finally:
+        writer.close()
+
+
+WRITING_PARENT = """
+import sys, time, torch
+from elastic.runtime.checkpoint_writer import CheckpointWriter
+writer = CheckpointWriter()
+writer.start()
+while not writer.ready:
+    time.sleep(0.02)
+writer.submit(lambda: {"format": "x", "w": torch.zeros(100_000_000)}, sys.argv[1] + "/state.pt")
+print(writer.pid, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_the_writer_dies_with_its_training_process(tmp_path):
+    """A write finishing after its job died could replace a resumed job's newer checkpoint
+    with an older one: the writer is SIGKILLed with its parent, mid-write."""
+    parent = subprocess.Popen([sys.executable, "-c", WRITING_PARENT, str(tmp_path)], cwd=ROOT,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        writer = int(parent.stdout.readline())
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob("state.pt.*.tmp")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert list(tmp_path.glob("state.pt.*.tmp")), "the write never started"
+        parent.kill()
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{writer}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not Path(f"/proc/{writer}").exists()
+        assert not (tmp_path / "state.pt").exists()
+    finally:
+        parent.kill()
+
+
+def test_a_checkpoint_before_the_writer_is_up_is_written_from_a_thread(tmp_path):
+    """The writer's imports take a second or two; a run's first checkpoint does not wait."""
+    path, writer = tmp_path / "state.pt", CheckpointWriter()
+    try:
+        done = writer.submit(lambda: payload(1), path).result(timeout=60)
+        assert done["writer"] == "thread" and load(path, expect=FORMAT)["step"] == 1
+        up(writer)
+        assert writer.submit(lambda: payload(2), path).result(timeout=60)["writer"] == "process"
+        assert load(path, expect=FORMAT)["step"] == 2
+    finally:
+        writer.close()
+
+
+def test_the_writer_is_not_taken_for_a_horovod_worker(monkeypatch):
+    """Tools find a host's workers by their environment (regatta local's fault injection
+    struck one kill twice when it counted the writer too)."""
+    monkeypatch.setenv("HOROVOD_HOSTNAME", "127.0.0.9")
+    monkeypatch.setenv("REGATTA_AGENT_NAMESPACE", "test")
+    writer = CheckpointWriter()
+    try:
+        writer.start()
+        environment = Path(f"/proc/{writer.pid}/environ").read_bytes().split(b"\0")
+        assert not [v for v in environment if v.startswith((b"HOROVOD_", b"REGATTA_AGENT_"))]
     finally:
         writer.close()
 

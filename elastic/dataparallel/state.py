@@ -73,6 +73,8 @@ class TrainState(RuntimeState):
 
     # -- the engine's half of RuntimeState ------------------------------------------------
     def save(self) -> dict:
+        if self.runtime.world.is_root and self.runtime.cfg.checkpoint_every:
+            self._writer.start()    # its imports now, not inside the first checkpoint
         flat = Flat.of(self.live())
         ranges = self._my_ranges(flat.total)
         held = self._commit is not None and list(self._commit.held) == list(dict.fromkeys(ranges))

@@ -277,9 +277,11 @@ def apply_due_changes(changes: list, reached: int, hosts: list[Host], slots: int
         due.append(changes.pop(0))
     for _, action, host in due:
         hosts = _apply(action, host, hosts, slots)
+    # One instant for all (the report measures them as one re-forming), taken before the
+    # edit: the driver may act on it before this process runs again.
+    now = time.time()
     if due:
         write_discovery(hosts_file, hosts)
-    now = time.time()     # one instant: the report measures them as one re-forming
     for step, action, host in due:
         kind = {"add": "host_added", "remove": "host_removed"}[action]
         log.record(kind, reached, wall_time=now, target=host, planned_step=step)

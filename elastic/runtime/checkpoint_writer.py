@@ -8,16 +8,18 @@ against 0.08 s for a copy into memory already mapped), and hands the tree's smal
 to the writer process, which builds tensors over that same memory and writes them with
 ``checkpoint.save_atomic``. One write at a time.
 
-Why a process: a write from a niced thread of the training process still slowed the steps
-it overlapped 1.28-1.60x at 100M parameters, dp = 3 on two cores (bench/bench_state.py);
-the same write replaced by a sleep, 0.99x. Serialising, checksumming and copying 1.2 GB
-into the page cache is CPU the ranks want. A thread cannot be given ``SCHED_IDLE`` (run
-only on an idle core): starved while holding the GIL, it stalled the training thread for a
-second in a test here. A process has its own GIL, so the writer runs at ``SCHED_IDLE``. It
-starts at the first write, dies with the training process (``PR_SET_PDEATHSIG``), and is
-started again if it died.
+Why a process: a thread of the training process shares its GIL. Given ``SCHED_IDLE`` (run
+only on an idle core), a thread starved while holding the GIL stalled the training thread
+for a second in a test here; niced instead, it takes CPU the ranks wanted. A process has
+its own GIL, so this writer runs at ``SCHED_IDLE``. Measured at 100M parameters, dp = 3 on
+two cores (bench/bench_state.py), the steps a write overlaps still run 1.32x slower (a
+niced thread: 1.60x; the write replaced by a sleep: 0.99x): the write's memory traffic
+and I/O slow the ranks even on the other core. The writer is started ahead of need
+(``start``), dies with the training process (``PR_SET_PDEATHSIG``), and is started again
+if it died; until it says it is ready (its imports take a second or two), writes go from
+a niced thread as before.
 
-    python -m elastic.runtime.checkpoint_writer     (started by CheckpointWriter only)
+    python -m elastic.runtime.checkpoint_writer SOCKET_FD PARENT_PID   (CheckpointWriter starts it)
 """
 from __future__ import annotations
 
@@ -26,7 +28,10 @@ import json
 import mmap
 import os
 import pickle
+import select
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -73,14 +78,13 @@ class SharedSnapshot:
 
     def __init__(self):
         self.fd, self.size, self.memory = -1, 0, None
-        self.generation = 0     # a new memfd may get the old one's number: count them
 
     def take(self, tree) -> object:
         """Copy ``tree``'s tensors in; its skeleton."""
         skeleton, tensors, needed = layout(tree)
         if needed > self.size or self.memory is None:
             self.close()
-            self.fd, self.generation = os.memfd_create("regatta-checkpoint"), self.generation + 1
+            self.fd = os.memfd_create("regatta-checkpoint")
             self.size = max(needed, 1)
             os.ftruncate(self.fd, self.size)
             self.memory = mmap.mmap(self.fd, self.size)
@@ -104,12 +108,46 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
         self._shared = SharedSnapshot()
         self._process: subprocess.Popen | None = None
-        self._given = 0    # the generation of the memfd the process was given
+        self._socket: socket.socket | None = None
+        self._ready = False      # the process said it finished its imports
 
     @property
     def pid(self) -> int | None:
         """The writer process's pid, once started."""
         return None if self._process is None else self._process.pid
+
+    @property
+    def busy(self) -> bool:
+        """A write is in flight."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        """Start the writer process now, if it is not running: its imports (torch) take a
+        second or two, better spent before the first checkpoint than inside it."""
+        if self._process is not None and self._process.poll() is None:
+            return
+        if self._process is not None:
+            self._socket.close()
+            self._process.wait()
+        ours, theirs = socket.socketpair()
+        with theirs:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "elastic.runtime.checkpoint_writer", str(theirs.fileno()),
+                 str(os.getpid())], pass_fds=(theirs.fileno(),),
+                env=writer_environment())
+        self._socket, self._ready = ours, False
+
+    @property
+    def ready(self) -> bool:
+        """The writer process is up, so writes go there (until then, to a thread)."""
+        return self._process_ready()
+
+    def _process_ready(self) -> bool:
+        """Whether the writer process is up (its one-line greeting has come); never blocks."""
+        if not self._ready and self._socket is not None and self._process.poll() is None:
+            if select.select([self._socket], [], [], 0)[0]:
+                self._ready = self._socket.recv(6) == b"ready\n"
+        return self._ready
 
     def wait(self) -> float:
         """Block until no write is in flight; the seconds spent waiting. Someone waits for
@@ -117,7 +155,7 @@ class CheckpointWriter:
         SCHED_IDLE at its next write)."""
         started = time.perf_counter()
         if self._thread is not None:
-            if self._process is not None:
+            if self.busy and self._process is not None:
                 try:
                     os.sched_setscheduler(self._process.pid, os.SCHED_OTHER, os.sched_param(0))
                 except (ProcessLookupError, PermissionError):
@@ -134,19 +172,23 @@ class CheckpointWriter:
         started = time.perf_counter()
         skeleton = self._shared.take(snapshot())
         snapshot_s = time.perf_counter() - started
-        process = self._writer_process()
-        future: Future = Future()
+        self.start()
+        process, channel, future = self._process, self._socket, Future()
         request = {"skeleton": skeleton, "size": self._shared.size, "path": str(path),
                    "keep_previous": keep_previous}
+        in_thread = not self._process_ready()
 
         def write() -> None:
             try:
-                message = pickle.dumps(request)    # whole, or nothing reaches the pipe
+                if in_thread:
+                    future.set_result(write_here(request, self._shared.memory, waited, snapshot_s))
+                    return
+                message = pickle.dumps(request)    # whole, or nothing reaches the writer
                 try:
-                    process.stdin.write(message)
-                    process.stdin.flush()
-                    answer = process.stdout.readline()
-                except OSError:    # the pipe broke: the writer is gone
+                    socket.send_fds(channel, [struct.pack("!Q", len(message))], [self._shared.fd])
+                    channel.sendall(message)
+                    answer = channel.makefile("rb").readline()
+                except OSError:    # the connection broke: the writer is gone
                     answer = b""
                 if not answer:
                     raise RuntimeError(f"the checkpoint writer process ended "
@@ -160,36 +202,42 @@ class CheckpointWriter:
             else:
                 future.set_result({"path": str(path), "bytes": done["bytes"], "waited_s": waited,
                                    "snapshot_s": snapshot_s, "background": True,
-                                   "write_s": done["write_s"]})
+                                   "write_s": done["write_s"], "writer": "process"})
         self._thread = threading.Thread(target=write, name="regatta-checkpoint")
         self._thread.start()
         return future
 
-    def _writer_process(self) -> subprocess.Popen:
-        """The running writer, given the current memfd; started (again) when needed."""
-        process = self._process
-        if process is not None and process.poll() is None and self._given == self._shared.generation:
-            return process
-        if process is not None:
-            process.kill()
-            process.wait()
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "elastic.runtime.checkpoint_writer", str(self._shared.fd),
-             str(os.getpid())],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(self._shared.fd,),
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
-                str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]))})
-        self._given = self._shared.generation
-        return self._process
-
     def close(self) -> None:
         """Wait for the write in flight, then end the writer process."""
+        self._ready = False
         self.wait()
         if self._process is not None:
-            self._process.stdin.close()
+            self._socket.close()     # the writer reads the end and exits
             self._process.wait()
-            self._process = None
+            self._process = self._socket = None
         self._shared.close()
+
+
+def writer_environment() -> dict[str, str]:
+    """The training process's environment without what makes a process a Horovod worker
+    (tools that find a host's workers by it, `regatta local`'s fault injection among them,
+    must not take the writer for one), and with this package importable."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "REGATTA_AGENT_"))}
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH", "")]))
+    return env
+
+
+def write_here(request: dict, memory: mmap.mmap, waited: float, snapshot_s: float) -> dict:
+    """While the writer process still imports (its first second or two), a write goes from
+    a thread of this process at nice 19, as before it existed: a run's first checkpoint is
+    on disk as early as it was, whatever the process's start costs."""
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    started = time.perf_counter()
+    payload = map_tree(request["skeleton"], lambda v: view(v, memory) if isinstance(v, TensorSlot) else v)
+    size = save_atomic(payload, Path(request["path"]), request["keep_previous"])
+    return {"path": request["path"], "bytes": size, "waited_s": waited, "snapshot_s": snapshot_s,
+            "background": True, "write_s": time.perf_counter() - started, "writer": "thread"}
 
 
 # -- the writer process ------------------------------------------------------------------------
@@ -202,27 +250,46 @@ def _die_with(parent: int) -> None:
         os._exit(1)
 
 
-def serve(fd: int, parent: int) -> None:
+def _receive(channel: socket.socket) -> tuple[dict, int] | None:
+    """The next request and the memfd sent with it; None when the training process closed
+    the connection."""
+    try:
+        head, fds, _, _ = socket.recv_fds(channel, 8, 1)
+    except ConnectionResetError:     # the training process went away
+        return None
+    if not head:
+        return None
+    while len(head) < 8:
+        head += channel.recv(8 - len(head))
+    length, body = struct.unpack("!Q", head)[0], bytearray()
+    while len(body) < length:
+        chunk = channel.recv(min(1 << 20, length - len(body)))
+        if not chunk:
+            return None
+        body += chunk
+    return pickle.loads(body), fds[0]
+
+
+def serve(channel_fd: int, parent: int) -> None:
     _die_with(parent)
-    memory = None
-    while True:
-        try:
-            request = pickle.load(sys.stdin.buffer)
-        except EOFError:
-            return
+    channel = socket.socket(fileno=channel_fd)
+    channel.sendall(b"ready\n")     # torch is imported: writes may come here now
+    while (received := _receive(channel)) is not None:
+        request, fd = received
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))   # only CPU no one wants
         started = time.perf_counter()
-        try:
-            if memory is None or len(memory) != request["size"]:
-                memory = mmap.mmap(fd, request["size"])
+        try:    # the mapping goes when its last view does (closing it under them raises)
+            memory = mmap.mmap(fd, request["size"])
             payload = map_tree(request["skeleton"],
                                lambda v: view(v, memory) if isinstance(v, TensorSlot) else v)
             size = save_atomic(payload, Path(request["path"]), request["keep_previous"])
             answer = {"bytes": size, "write_s": time.perf_counter() - started}
         except Exception as err:  # noqa: BLE001 - reported to the training process
             answer = {"error": f"{type(err).__name__}: {err}"[:2000]}
-        sys.stdout.write(json.dumps(answer) + "\n")
-        sys.stdout.flush()
+        finally:
+            os.close(fd)
+            memory = payload = None
+        channel.sendall((json.dumps(answer) + "\n").encode())
 
 
 if __name__ == "__main__":

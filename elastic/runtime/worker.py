@@ -3,9 +3,8 @@ detection, events and their sink, the commit policy, host updates, step reportin
 samples, stragglers and stalls, the final checkpoint and the run's final status.
 
 The engine (data parallel, pipeline) supplies only what differs: its state, one step and
-the end of training (engine.py). ``train`` below is the one entry every launch uses:
-``horovodrun`` elastic (``hvd.elastic.run`` re-enters ``loop`` after every reset),
-``mpirun`` (a fixed world) and a single process.
+the end of training (engine.py). ``train`` below is the one entry of every launch: one
+process, ``mpirun``, ``horovodrun`` elastic (``hvd.elastic.run`` re-enters ``loop`` on reset).
 """
 from __future__ import annotations
 
