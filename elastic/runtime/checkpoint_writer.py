@@ -139,11 +139,8 @@ class CheckpointWriter:
 
     @property
     def ready(self) -> bool:
-        """The writer process is up, so writes go there (until then, to a thread)."""
-        return self._process_ready()
-
-    def _process_ready(self) -> bool:
-        """Whether the writer process is up (its one-line greeting has come); never blocks."""
+        """The writer process is up (its one-line greeting has come), so writes go there;
+        until then, to a thread. Never blocks."""
         if not self._ready and self._socket is not None and self._process.poll() is None:
             if select.select([self._socket], [], [], 0)[0]:
                 self._ready = self._socket.recv(6) == b"ready\n"
@@ -176,7 +173,7 @@ class CheckpointWriter:
         process, channel, future = self._process, self._socket, Future()
         request = {"skeleton": skeleton, "size": self._shared.size, "path": str(path),
                    "keep_previous": keep_previous}
-        in_thread = not self._process_ready()
+        in_thread = not self.ready
 
         def write() -> None:
             try:
