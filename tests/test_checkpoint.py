@@ -91,9 +91,9 @@ def test_a_writer_killed_mid_write_fails_that_checkpoint_only(tmp_path):
     write starts a new writer and clears the killed one's temporary file."""
     path, writer, outcomes = tmp_path / "state.pt", CheckpointWriter(), []
     try:
-        for step in range(1, 6):
+        for step in range(1, 7):
             up(writer)
-            done = writer.submit(lambda: payload(step, numel=15_000_000), path)    # 60 MB
+            done = writer.submit(lambda: payload(step, numel=30_000_000), path)    # 120 MB
             if step > 1:     # kill once the write is under way (its temporary exists)
                 deadline = time.monotonic() + 60
                 while not list(tmp_path.glob("state.pt.*.tmp")) and time.monotonic() < deadline \
@@ -107,9 +107,9 @@ def test_a_writer_killed_mid_write_fails_that_checkpoint_only(tmp_path):
             except RuntimeError as err:
                 assert f"before writing {path}" in str(err) and "untouched" in str(err)
             assert load(path, expect=FORMAT)["step"] == outcomes[-1]
-        assert len(outcomes) < 5      # some kill came mid-write
-        assert writer.submit(lambda: payload(6), path).result(timeout=120)["bytes"] > 0
-        assert load(path, expect=FORMAT)["step"] == 6
+        assert len(outcomes) < 6      # some kill came mid-write
+        assert writer.submit(lambda: payload(7), path).result(timeout=120)["bytes"] > 0
+        assert load(path, expect=FORMAT)["step"] == 7
         assert sorted(p.name for p in tmp_path.iterdir()) == ["state.previous.pt", "state.pt"]
     finally:
         writer.close()

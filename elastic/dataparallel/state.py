@@ -23,7 +23,7 @@ import torch
 
 from elastic.data.sampler import Cursor
 from elastic.runtime import checkpoint
-from elastic.runtime.checkpoint_writer import CheckpointWriter
+from elastic.runtime.checkpoint_writer import PROCESS_MIN_BYTES, CheckpointWriter
 from elastic.runtime.flat import Flat, tree_digest
 from elastic.runtime.shards import Part, buddies, cover, covering_step, kept_by, shares
 from elastic.runtime.state import RuntimeState
@@ -73,9 +73,10 @@ class TrainState(RuntimeState):
 
     # -- the engine's half of RuntimeState ------------------------------------------------
     def save(self) -> dict:
-        if self.runtime.world.is_root and self.runtime.cfg.checkpoint_every:
-            self._writer.start()    # its imports now, not inside the first checkpoint
         flat = Flat.of(self.live())
+        if self.runtime.world.is_root and self.runtime.cfg.checkpoint_every \
+                and flat.total >= PROCESS_MIN_BYTES:
+            self._writer.start()    # its imports now, not inside the first checkpoint
         ranges = self._my_ranges(flat.total)
         held = self._commit is not None and list(self._commit.held) == list(dict.fromkeys(ranges))
         if not (held and self._current and self._commit.total == flat.total):

@@ -15,9 +15,9 @@ its own GIL, so this writer runs at ``SCHED_IDLE``. Measured at 100M parameters,
 two cores (bench/bench_state.py), the steps a write overlaps still run 1.32x slower (a
 niced thread: 1.60x; the write replaced by a sleep: 0.99x): the write's memory traffic
 and I/O slow the ranks even on the other core. The writer is started ahead of need
-(``start``), dies with the training process (``PR_SET_PDEATHSIG``), and is started again
-if it died; until it says it is ready (its imports take a second or two), writes go from
-a niced thread as before.
+(``start``, for states of PROCESS_MIN_BYTES or more), dies with the training process
+(``PR_SET_PDEATHSIG``), and is started again if it died; without it, and until it says it
+is ready (its imports take a second or two), writes go from a niced thread as before.
 
     python -m elastic.runtime.checkpoint_writer SOCKET_FD PARENT_PID   (CheckpointWriter starts it)
 """
@@ -46,6 +46,9 @@ from .checkpoint import save_atomic
 from .flat import TensorSlot, map_tree, slots_of
 
 ALIGN = 64   # every tensor starts on a cache line
+# Below this a write takes milliseconds from a thread; a process (a second Python with
+# torch, 1-2 s of CPU to start, again after every change of rank 0) is not worth it.
+PROCESS_MIN_BYTES = 64 << 20
 
 
 def layout(tree) -> tuple[object, list[torch.Tensor], int]:
@@ -141,7 +144,7 @@ class CheckpointWriter:
     def ready(self) -> bool:
         """The writer process is up (its one-line greeting has come), so writes go there;
         until then, to a thread. Never blocks."""
-        if not self._ready and self._socket is not None and self._process.poll() is None:
+        if not self._ready and self._process is not None and self._process.poll() is None:
             if select.select([self._socket], [], [], 0)[0]:
                 self._ready = self._socket.recv(6) == b"ready\n"
         return self._ready
@@ -169,7 +172,8 @@ class CheckpointWriter:
         started = time.perf_counter()
         skeleton = self._shared.take(snapshot())
         snapshot_s = time.perf_counter() - started
-        self.start()
+        if self._process is not None:
+            self.start()     # again, if it died
         process, channel, future = self._process, self._socket, Future()
         request = {"skeleton": skeleton, "size": self._shared.size, "path": str(path),
                    "keep_previous": keep_previous}
