@@ -12,8 +12,9 @@ GradScaler, the user's own), plus the step and the sampler cursor.
   (a ``state_lost`` event); with none on disk the job stops with a message saying so.
 * A sync where no one holds a commit (a fresh start) sends rank 0's live state (the seed,
   or the checkpoint rank 0 resumed from); new workers get the last commit.
-* Rank 0 writes the durable checkpoint from a snapshot in shared memory, in a process at
-  the lowest CPU priority (runtime/checkpoint_writer.py), so no rank waits for the disk.
+* Rank 0 writes the durable checkpoint from a snapshot in shared memory, from a process at
+  the lowest CPU priority for states of 64 MB or more, else from a niced thread
+  (runtime/checkpoint_writer.py), so no rank waits for the disk.
 """
 from __future__ import annotations
 
