@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from .direct_file import DirectFile, Pace
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint file exists but cannot be used; the message names the file and why."""
@@ -27,22 +29,21 @@ def previous_path(path: Path) -> Path:
     return path.with_name(f"{path.stem}.previous{path.suffix}")
 
 
-def save_atomic(payload: dict, path: Path, keep_previous: bool = False) -> int:
+def save_atomic(payload: dict, path: Path, keep_previous: bool = False, pace: Pace | None = None) -> int:
     """Write ``payload`` to ``path`` atomically; the bytes written. ``keep_previous``: the
-    checkpoint it replaces stays as ``previous_path(path)``."""
+    checkpoint it replaces stays as ``previous_path(path)``; ``pace``: spread the write."""
     path.parent.mkdir(parents=True, exist_ok=True)
     # One write at a time per checkpoint: a temporary already there is a killed writer's.
     for stale in path.parent.glob(f"{path.name}.*.tmp*"):
         stale.unlink(missing_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as handle:
+        try:
+            handle = DirectFile(fd, pace)
             torch.save(payload, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-            size = handle.tell()
-            # Written and synced: its pages need not crowd out the training's in the cache.
-            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            size = handle.finish()
+        finally:
+            os.close(fd)
         if keep_previous and path.exists():
             # Link, then rename over the old previous: ``path`` itself never goes missing.
             link = Path(tmp + ".previous")

@@ -12,10 +12,11 @@ Why a process: a thread of the training process shares its GIL. Given ``SCHED_ID
 only on an idle core), a thread starved while holding the GIL stalled the training thread
 for a second in a test here; niced instead, it takes CPU the ranks wanted. A process has
 its own GIL, so this writer runs at ``SCHED_IDLE``. Measured at 100M parameters, dp = 3 on
-two cores (bench/bench_state.py), the steps a write overlaps still run 1.32x slower (a
-niced thread: 1.60x; the write replaced by a sleep: 0.99x): the write's memory traffic
-and I/O slow the ranks even on the other core. The writer is started ahead of need
-(``start``, for states of PROCESS_MIN_BYTES or more), dies with the training process
+two cores (bench/bench_state.py), the steps a write overlaps still ran 1.32x slower (a
+niced thread: 1.60x; the write replaced by a sleep: 0.99x): the write's I/O slows the
+ranks even on the other core. Written past the page cache (direct_file.py), 1.19-1.29x;
+paced over SPREAD of the time between checkpoints, 1.07-1.16x. The writer is started
+ahead of need (``start``, for states of PROCESS_MIN_BYTES or more), dies with the training process
 (``PR_SET_PDEATHSIG``), and is started again if it died; without it, and until it says it
 is ready (its imports take a second or two), writes go from a niced thread as before.
 
@@ -43,12 +44,18 @@ from typing import Callable
 import torch
 
 from .checkpoint import save_atomic
+from .direct_file import Pace
 from .flat import TensorSlot, map_tree, slots_of
 
 ALIGN = 64   # every tensor starts on a cache line
 # Below this a write takes milliseconds from a thread; a process (a second Python with
 # torch, 1-2 s of CPU to start, again after every change of rank 0) is not worth it.
 PROCESS_MIN_BYTES = 64 << 20
+# A write is spread over this share of the time since the previous checkpoint (the writer's
+# start for the first), at most MAX_SPREAD_S: slowly enough that the steps it overlaps
+# barely notice, landing well before the next; whoever waits for it hurries it.
+SPREAD = 0.75
+MAX_SPREAD_S = 120.0
 
 
 def layout(tree) -> tuple[object, list[torch.Tensor], int]:
@@ -102,6 +109,15 @@ class SharedSnapshot:
         self.fd, self.size, self.memory = -1, 0, None
 
 
+class PendingWrite(Future):
+    """A write in flight. It is paced to land well before the next checkpoint; ``hurry()``
+    when someone needs it on disk now."""
+
+    def __init__(self, hurry: Callable[[], None]):
+        super().__init__()
+        self.hurry = hurry
+
+
 class CheckpointWriter:
     """Durable writes in the background, one at a time: ``submit`` first waits for the
     write in flight. The waiting thread is not a daemon, so a process that ends while one
@@ -113,6 +129,8 @@ class CheckpointWriter:
         self._process: subprocess.Popen | None = None
         self._socket: socket.socket | None = None
         self._ready = False      # the process said it finished its imports
+        self._last_submit = time.monotonic()
+        self._pace: Pace | None = None      # the write in flight's, when a thread writes it
 
     @property
     def pid(self) -> int | None:
@@ -155,39 +173,55 @@ class CheckpointWriter:
         SCHED_IDLE at its next write)."""
         started = time.perf_counter()
         if self._thread is not None:
-            if self.busy and self._process is not None:
-                try:
-                    os.sched_setscheduler(self._process.pid, os.SCHED_OTHER, os.sched_param(0))
-                except (ProcessLookupError, PermissionError):
-                    pass
-            self._thread.join()
+            while self._thread.is_alive():
+                self._hurry()     # again: the request may not have reached the process yet
+                self._thread.join(0.1)
             self._thread = None
         return time.perf_counter() - started
+
+    def _hurry(self) -> None:
+        """The write in flight goes at full speed from now on."""
+        if not self.busy:
+            return
+        if self._pace is not None:
+            self._pace.hurry = True
+        elif self._process is not None:
+            try:    # its SIGUSR1 handler lifts the pace
+                os.sched_setscheduler(self._process.pid, os.SCHED_OTHER, os.sched_param(0))
+                os.kill(self._process.pid, signal.SIGUSR1)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def submit(self, snapshot: Callable[[], dict], path: Path, keep_previous: bool = True) -> Future:
         """Wait for the write in flight, copy ``snapshot()`` (the payload, tensors anywhere)
         into shared memory here, then have it written to ``path``. The future's result is
         the checkpoint event's detail, or the write's exception."""
+        interval, self._last_submit = time.monotonic() - self._last_submit, time.monotonic()
         waited = self.wait()
         started = time.perf_counter()
         skeleton = self._shared.take(snapshot())
         snapshot_s = time.perf_counter() - started
         if self._process is not None:
             self.start()     # again, if it died
-        process, channel, future = self._process, self._socket, Future()
+        process, channel, future = self._process, self._socket, PendingWrite(self._hurry)
         request = {"skeleton": skeleton, "size": self._shared.size, "path": str(path),
-                   "keep_previous": keep_previous}
+                   "keep_previous": keep_previous, "spread_s": min(SPREAD * interval, MAX_SPREAD_S)}
         in_thread = not self.ready
+        self._pace = Pace(request["spread_s"], request["size"]) if in_thread else None
+        pace = self._pace
 
         def write() -> None:
             try:
                 if in_thread:
-                    future.set_result(write_here(request, self._shared.memory, waited, snapshot_s))
+                    future.set_result(write_here(request, self._shared.memory, waited, snapshot_s, pace))
                     return
                 message = pickle.dumps(request)    # whole, or nothing reaches the writer
                 try:
                     socket.send_fds(channel, [struct.pack("!Q", len(message))], [self._shared.fd])
                     channel.sendall(message)
+                    while not select.select([channel], [], [], 0.1)[0]:
+                        if not threading.main_thread().is_alive():
+                            self._hurry()      # the training process is ending
                     answer = channel.makefile("rb").readline()
                 except OSError:    # the connection broke: the writer is gone
                     answer = b""
@@ -203,7 +237,8 @@ class CheckpointWriter:
             else:
                 future.set_result({"path": str(path), "bytes": done["bytes"], "waited_s": waited,
                                    "snapshot_s": snapshot_s, "background": True,
-                                   "write_s": done["write_s"], "writer": "process"})
+                                   "write_s": done["write_s"], "spread_s": request["spread_s"],
+                                   "writer": "process"})
         self._thread = threading.Thread(target=write, name="regatta-checkpoint")
         self._thread.start()
         return future
@@ -229,16 +264,17 @@ def writer_environment() -> dict[str, str]:
     return env
 
 
-def write_here(request: dict, memory: mmap.mmap, waited: float, snapshot_s: float) -> dict:
+def write_here(request: dict, memory: mmap.mmap, waited: float, snapshot_s: float, pace: Pace) -> dict:
     """While the writer process still imports (its first second or two), a write goes from
     a thread of this process at nice 19, as before it existed: a run's first checkpoint is
     on disk as early as it was, whatever the process's start costs."""
     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     started = time.perf_counter()
     payload = map_tree(request["skeleton"], lambda v: view(v, memory) if isinstance(v, TensorSlot) else v)
-    size = save_atomic(payload, Path(request["path"]), request["keep_previous"])
+    size = save_atomic(payload, Path(request["path"]), request["keep_previous"], pace)
     return {"path": request["path"], "bytes": size, "waited_s": waited, "snapshot_s": snapshot_s,
-            "background": True, "write_s": time.perf_counter() - started, "writer": "thread"}
+            "background": True, "write_s": time.perf_counter() - started,
+            "spread_s": request["spread_s"], "writer": "thread"}
 
 
 # -- the writer process ------------------------------------------------------------------------
@@ -273,17 +309,23 @@ def _receive(channel: socket.socket) -> tuple[dict, int] | None:
 
 def serve(channel_fd: int, parent: int) -> None:
     _die_with(parent)
+    pace = Pace(0.0, 0)
+
+    def hurry(*_) -> None:    # the training process waits for this write
+        pace.hurry = True
+    signal.signal(signal.SIGUSR1, hurry)
     channel = socket.socket(fileno=channel_fd)
     channel.sendall(b"ready\n")     # torch is imported: writes may come here now
     while (received := _receive(channel)) is not None:
         request, fd = received
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))   # only CPU no one wants
+        pace.seconds, pace.total, pace.hurry = request["spread_s"], request["size"], False
         started = time.perf_counter()
         try:    # the mapping goes when its last view does (closing it under them raises)
             memory = mmap.mmap(fd, request["size"])
             payload = map_tree(request["skeleton"],
                                lambda v: view(v, memory) if isinstance(v, TensorSlot) else v)
-            size = save_atomic(payload, Path(request["path"]), request["keep_previous"])
+            size = save_atomic(payload, Path(request["path"]), request["keep_previous"], pace)
             answer = {"bytes": size, "write_s": time.perf_counter() - started}
         except Exception as err:  # noqa: BLE001 - reported to the training process
             answer = {"error": f"{type(err).__name__}: {err}"[:2000]}

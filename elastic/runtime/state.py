@@ -12,8 +12,8 @@ the engine, which implements:
                            needs the other ranks waits for sync_state
     sync_state()           make every rank hold the same state (new workers included);
                            the sync event's detail
-    write_checkpoint()     the durable copy: the checkpoint event's detail, or a Future of
-                           it when the write goes on in the background; ``load_checkpoint()``
+    write_checkpoint()     the durable copy: the checkpoint event's detail, or a PendingWrite
+                           (checkpoint_writer) when it goes on in the background; ``load_checkpoint()``
                            resumes from it
     audit_hash()           digests of the state (REGATTA_AUDIT=1 records them): a string
                            (the model's) or a dict of named digests
@@ -97,8 +97,8 @@ class RuntimeState(State):
         raise NotImplementedError
 
     def write_checkpoint(self):
-        """Write the durable copy; returns the checkpoint event's detail, a Future of it
-        (a write in the background), or None (not this rank)."""
+        """Write the durable copy; returns the checkpoint event's detail, a PendingWrite
+        (checkpoint_writer: a write in the background), or None (not this rank)."""
         raise NotImplementedError
 
     def load_checkpoint(self) -> dict | None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from .commit_policy import CommitPolicy
 from .control import Pending
 from .env import Env
 from .checkpoint import CheckpointError
+from .checkpoint_writer import PendingWrite
 from .events import EventLog, Progress
 from .reporting import HostSampler, StepReporter, memcpy_bandwidth
 from .runs import (code_revision, launcher_name, mark_checkpoint_folder, new_run_id, open_sink,
@@ -68,7 +68,7 @@ class Runtime:
         self.progress: Progress | None = None
         self.bar: tqdm | None = None
         self.commits = self.entries = 0    # commits made; entries into the training loop
-        self.writing: Future | None = None     # the durable checkpoint still being written
+        self.writing: PendingWrite | None = None     # the durable checkpoint still being written
         self._recorded = threading.Event()     # ... and once it is, its event recorded
         self.state = None
 
@@ -245,7 +245,7 @@ class Runtime:
         started, step = time.perf_counter(), state.step
         detail = state.write_checkpoint()
         cost = time.perf_counter() - started
-        if isinstance(detail, Future):
+        if isinstance(detail, PendingWrite):
             recorded = threading.Event()
             self.writing, self._recorded = detail, recorded
             detail.add_done_callback(lambda done: self._written(step, cost, done, recorded))
@@ -253,7 +253,7 @@ class Runtime:
             self._mark_checkpoint()
             self.events.record("checkpoint", step, cost_s=cost, **detail)
 
-    def _written(self, step: int, cost: float, done: Future, recorded: threading.Event) -> None:
+    def _written(self, step: int, cost: float, done: PendingWrite, recorded: threading.Event) -> None:
         """A background write ended (called from the writer's thread)."""
         try:
             error = done.exception()
@@ -267,10 +267,10 @@ class Runtime:
             recorded.set()
 
     def wait_for_checkpoint(self) -> None:
-        """Block until the background write (if any) is on disk and recorded: a future's
-        waiters wake before its callbacks run, so wait for the recording itself."""
+        """Block until the background write (if any) is on disk and recorded (its event)."""
         if self.writing is not None:
-            self._recorded.wait()
+            while not self._recorded.wait(0.1):
+                self.writing.hurry()    # paced to land later: it is needed now
             self.writing = None
 
     def _mark_checkpoint(self) -> None:
