@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from elastic.runtime.checkpoint import CheckpointError, load, previous_path
-from elastic.runtime.checkpoint_writer import SPREAD, CheckpointWriter
+from elastic.runtime.checkpoint_writer import PROCESS_MIN_BYTES, SPREAD, CheckpointWriter
 from elastic.runtime.runs import resumed_run_id
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,28 +85,32 @@ def test_the_shared_snapshot_is_written_over_only_after_its_write_ended(tmp_path
         writer.close()
 
 
-def test_a_write_is_spread_over_the_interval_and_hurried_when_needed(tmp_path):
-    """Written at a pace that lands it at SPREAD of the time since the previous checkpoint
-    (here the writer's start, 5 s ago), until someone needs it: from a thread and from the
-    process alike. Unpaced, these 40 MB take a few tenths of a second."""
+def test_a_large_write_is_spread_over_the_interval_and_hurried_when_needed(tmp_path):
+    """A state of PROCESS_MIN_BYTES or more is written at a pace that lands it at SPREAD of
+    the time since the previous checkpoint (here the writer's start, 6 s ago), until
+    someone needs it: from a thread and from the process alike. Unpaced, these 68 MB take
+    well under a second; a small state is not paced at all."""
     threaded, process = CheckpointWriter(), CheckpointWriter()
     started = time.monotonic()
     try:
         up(process)
-        time.sleep(max(0.0, started + 5 - time.monotonic()))
-        writes = [w.submit(lambda: payload(1, numel=10_000_000), tmp_path / f"{i}.pt")
+        time.sleep(max(0.0, started + 6 - time.monotonic()))
+        numel = PROCESS_MIN_BYTES // 4 + (1 << 20)
+        writes = [w.submit(lambda: payload(1, numel), tmp_path / f"{i}.pt")
                   for i, w in enumerate((threaded, process))]
-        time.sleep(1.0)
-        assert threaded.busy and process.busy            # paced: not done after a second
+        time.sleep(1.5)
+        assert threaded.busy and process.busy            # paced: not done yet
         writes[0].hurry()                                # as the worker does at the end
         process.wait()                                   # as the next checkpoint does
         for done, writer in zip(writes, ("thread", "process")):
             detail = done.result(timeout=30)
             assert detail["writer"] == writer
-            assert 5 * SPREAD <= detail["spread_s"] < 5 * SPREAD + 1.0
-            assert 0.9 <= detail["write_s"] < 1.0 + detail["spread_s"] / 2    # hurried at 1 s
-        for i in range(2):
-            assert load(tmp_path / f"{i}.pt", expect=FORMAT)["step"] == 1
+            assert 6 * SPREAD <= detail["spread_s"] < 6 * SPREAD + 1.0
+            assert 1.4 <= detail["write_s"] < 3.0    # hurried at 1.5 s, paced to 4.5 s
+        time.sleep(2)
+        small = process.submit(lambda: payload(2), tmp_path / "0.pt").result(timeout=30)
+        assert small["spread_s"] == 0.0 and load(tmp_path / "0.pt", expect=FORMAT)["step"] == 2
+        assert load(tmp_path / "1.pt", expect=FORMAT)["step"] == 1
     finally:
         threaded.close()
         process.close()

@@ -51,9 +51,10 @@ ALIGN = 64   # every tensor starts on a cache line
 # Below this a write takes milliseconds from a thread; a process (a second Python with
 # torch, 1-2 s of CPU to start, again after every change of rank 0) is not worth it.
 PROCESS_MIN_BYTES = 64 << 20
-# A write is spread over this share of the time since the previous checkpoint (the writer's
-# start for the first), at most MAX_SPREAD_S: slowly enough that the steps it overlaps
-# barely notice, landing well before the next; whoever waits for it hurries it.
+# A write of a large state is spread over this share of the time since the previous
+# checkpoint (the writer's start for the first), at most MAX_SPREAD_S: slowly enough that
+# the steps it overlaps barely notice, landing well before the next; whoever waits for it
+# hurries it.
 SPREAD = 0.75
 MAX_SPREAD_S = 120.0
 
@@ -88,6 +89,7 @@ class SharedSnapshot:
 
     def __init__(self):
         self.fd, self.size, self.memory = -1, 0, None
+        self.used = 0     # bytes of the last snapshot taken
 
     def take(self, tree) -> object:
         """Copy ``tree``'s tensors in; its skeleton."""
@@ -100,6 +102,7 @@ class SharedSnapshot:
             self.memory = mmap.mmap(self.fd, self.size)
         for slot, value in zip(slots_of(skeleton), tensors):
             view(slot, self.memory).copy_(value)
+        self.used = needed
         return skeleton
 
     def close(self) -> None:
@@ -205,9 +208,10 @@ class CheckpointWriter:
             self.start()     # again, if it died
         process, channel, future = self._process, self._socket, PendingWrite(self._hurry)
         request = {"skeleton": skeleton, "size": self._shared.size, "path": str(path),
-                   "keep_previous": keep_previous, "spread_s": min(SPREAD * interval, MAX_SPREAD_S)}
+                   "keep_previous": keep_previous, "spread_s": self._spread(interval),
+                   "used": self._shared.used}
         in_thread = not self.ready
-        self._pace = Pace(request["spread_s"], request["size"]) if in_thread else None
+        self._pace = Pace(request["spread_s"], self._shared.used) if in_thread else None
         pace = self._pace
 
         def write() -> None:
@@ -242,6 +246,13 @@ class CheckpointWriter:
         self._thread = threading.Thread(target=write, name="regatta-checkpoint")
         self._thread.start()
         return future
+
+    def _spread(self, interval: float) -> float:
+        """The seconds to spread this write over: none for a small state, which writes in
+        milliseconds anyway; pacing it would only leave it in flight, lost with its rank."""
+        if self._shared.used < PROCESS_MIN_BYTES:
+            return 0.0
+        return min(SPREAD * interval, MAX_SPREAD_S)
 
     def close(self) -> None:
         """Wait for the write in flight, then end the writer process."""
@@ -319,7 +330,7 @@ def serve(channel_fd: int, parent: int) -> None:
     while (received := _receive(channel)) is not None:
         request, fd = received
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))   # only CPU no one wants
-        pace.seconds, pace.total, pace.hurry = request["spread_s"], request["size"], False
+        pace.seconds, pace.total, pace.hurry = request["spread_s"], request["used"], False
         started = time.perf_counter()
         try:    # the mapping goes when its last view does (closing it under them raises)
             memory = mmap.mmap(fd, request["size"])
