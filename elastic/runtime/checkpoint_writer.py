@@ -15,7 +15,8 @@ its own GIL, so this writer runs at ``SCHED_IDLE``. Measured at 100M parameters,
 two cores (bench/bench_state.py), the steps a write overlaps still ran 1.32x slower (a
 niced thread: 1.60x; the write replaced by a sleep: 0.99x): the write's I/O slows the
 ranks even on the other core. Written past the page cache (direct_file.py), 1.19-1.29x;
-paced over SPREAD of the time between checkpoints, 1.07-1.16x. The writer is started
+also paced over SPREAD of the time between checkpoints, 1.16x and 0.91x in two runs (the
+measurement's noise on two shared cores is of that order). The writer is started
 ahead of need (``start``, for states of PROCESS_MIN_BYTES or more), dies with the training process
 (``PR_SET_PDEATHSIG``), and is started again if it died; without it, and until it says it
 is ready (its imports take a second or two), writes go from a niced thread as before.
@@ -51,10 +52,9 @@ ALIGN = 64   # every tensor starts on a cache line
 # Below this a write takes milliseconds from a thread; a process (a second Python with
 # torch, 1-2 s of CPU to start, again after every change of rank 0) is not worth it.
 PROCESS_MIN_BYTES = 64 << 20
-# A write of a large state is spread over this share of the time since the previous
-# checkpoint (the writer's start for the first), at most MAX_SPREAD_S: slowly enough that
-# the steps it overlaps barely notice, landing well before the next; whoever waits for it
-# hurries it.
+# A large state's write is spread over this share of the time since the previous checkpoint
+# (the writer's start for the first), at most MAX_SPREAD_S: the steps it overlaps barely
+# notice, and it lands well before the next; whoever waits for it hurries it.
 SPREAD = 0.75
 MAX_SPREAD_S = 120.0
 
@@ -195,9 +195,9 @@ class CheckpointWriter:
             except (ProcessLookupError, PermissionError):
                 pass
 
-    def submit(self, snapshot: Callable[[], dict], path: Path, keep_previous: bool = True) -> Future:
+    def submit(self, snapshot: Callable[[], dict], path: Path, keep_previous: bool = True) -> PendingWrite:
         """Wait for the write in flight, copy ``snapshot()`` (the payload, tensors anywhere)
-        into shared memory here, then have it written to ``path``. The future's result is
+        into shared memory here, then have it written to ``path``, paced. The result is
         the checkpoint event's detail, or the write's exception."""
         interval, self._last_submit = time.monotonic() - self._last_submit, time.monotonic()
         waited = self.wait()
