@@ -18,8 +18,10 @@ from elastic.runtime.events import read_events
 JOB = ["-m", "jobs.digits", "--steps", "30", "--no-progress", "--db", ""]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def agent():
+    """One warm agent for the module (its start, importing torch, is 4 s): it forks a worker
+    for each shim, as it does for a host's successive workers in a run."""
     host = f"agent-test-{time.monotonic_ns()}"
     proc = subprocess.Popen([PYTHON, "-m", "elastic.launch.agent", "--host", host,
                              "--preload", "jobs.digits"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
