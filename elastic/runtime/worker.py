@@ -267,7 +267,7 @@ class Runtime:
             recorded.set()
 
     def wait_for_checkpoint(self) -> None:
-        """Block until the background write (if any) is on disk and recorded (its event)."""
+        """Block until the background write is recorded (not just done: waiters wake before callbacks)."""
         if self.writing is not None:
             while not self._recorded.wait(0.1):
                 self.writing.hurry()    # paced to land later: it is needed now
