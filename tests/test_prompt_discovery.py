@@ -97,3 +97,45 @@ def test_what_runs_before_every_worker_start_imports_nothing_heavy():
                           timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+
+def test_the_launcher_outside_the_namespaces_imports_no_store():
+    """``regatta local`` starts itself again inside the namespaces; the outer one only waits
+    for it, so SQLAlchemy (0.5 s of imports) is for the inner one alone."""
+    code = ("import sys, regatta.cli, elastic.launch.local; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'sqlalchemy', 'alembic', 'torch', 'horovod'}))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+class Counted:
+    """Horovod's own ``gloo_built``, counting how often it is asked."""
+    def __init__(self):
+        from horovod.common.util import gloo_built
+        self.asked, self._ask = 0, gloo_built
+
+    def __call__(self, verbose=False):
+        self.asked += 1
+        return self._ask(verbose=verbose)
+
+
+def test_horovods_gloo_check_is_asked_once_per_installed_build(tmp_path):
+    """The check imports all of torch in a forked process on every launch; the answer is
+    kept per build, and a record of another build, or a corrupt one, asks again."""
+    import json
+    from elastic.launch.horovod_build import RECORD, build_key, remembered
+    asked = Counted()
+    check = remembered(asked, tmp_path)
+    assert check() is True and asked.asked == 1
+    assert json.loads((tmp_path / RECORD).read_text()) == {"key": build_key(), "gloo": True}
+    assert check() is True and asked.asked == 1
+    assert oct((tmp_path / RECORD).stat().st_mode & 0o777) == "0o644"   # an unprivileged launch reads it
+    (tmp_path / RECORD).write_text(json.dumps({"key": ["0.0.1"], "gloo": False}))
+    assert check() is True and asked.asked == 2
+    (tmp_path / RECORD).write_text("{not json")
+    assert check() is True and asked.asked == 3
+    assert json.loads((tmp_path / RECORD).read_text())["gloo"] is True
+    assert remembered(asked, tmp_path / "missing")() is True and asked.asked == 4   # nowhere to keep it
+    assert [p.name for p in tmp_path.iterdir()] == [RECORD]    # no temporary left behind

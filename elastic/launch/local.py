@@ -27,9 +27,6 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from monitor.replay import replay
-from monitor.sink import destination_of, make_sink
-
 from ..runtime.events import EventLog, read_progress
 from ..faults import ENV as FAULTS_ENV, FaultPlan
 from . import agent, loopback, netns
@@ -128,6 +125,8 @@ def _replay_spools_of_the_dead(plan: LocalPlan) -> int:
     for a later run on the same store to find. The rows delivered."""
     if not (plan.db or plan.ingest):
         return 0
+    from monitor.replay import replay
+    from monitor.sink import destination_of
     replayed = replay(only=destination_of(db=plan.db or None, ingest=plan.ingest or None),
                       token=os.environ.get("REGATTA_INGEST_TOKEN"))
     return replayed.delivered
@@ -163,6 +162,9 @@ def _run_private(plan: LocalPlan) -> dict:
 
 
 def _run_here(plan: LocalPlan, kind: str) -> dict:
+    # The store's modules (SQLAlchemy, 0.5 s) are imported here, not at the top: the
+    # launcher outside the namespaces does not need them and delays the run by as much.
+    from monitor.sink import make_sink
     run_dir = Path(plan.run_dir)
     hosts = [Host(name, plan.slots) for name in plan.initial_hosts()]
     hosts_file = run_dir / "hosts.txt"

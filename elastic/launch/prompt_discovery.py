@@ -16,7 +16,8 @@ way (not with ``--stock-recovery``, which keeps horovodrun as it is).
 It uses the driver's public pieces: a ``HostDiscovery`` (whose
 ``find_available_hosts_and_slots`` is the method a discovery provides) in place of the
 ``HostDiscoveryScript`` horovodrun builds, and the driver's polling period
-``DISCOVER_HOSTS_FREQUENCY_SECS``.
+``DISCOVER_HOSTS_FREQUENCY_SECS``. Its check that Horovod was built with Gloo, which imports
+all of torch on every launch, is remembered per installed build (elastic/launch/horovod_build.py).
 """
 from __future__ import annotations
 
@@ -45,8 +46,10 @@ def main(argv: list[str]) -> None:
     from horovod.runner import launch
     from horovod.runner.elastic import discovery, driver
 
+    from .horovod_build import remembered
     from .watched_discovery import WatchedDiscoveryScript
     driver.DISCOVER_HOSTS_FREQUENCY_SECS = CHECK_S
+    launch.gloo_built = remembered(launch.gloo_built)
     discovery.HostDiscoveryScript = functools.partial(WatchedDiscoveryScript, watched=watched)
     sys.argv = [os.path.join(os.path.dirname(sys.executable), "horovodrun"), *horovodrun_args]
     launch.run_commandline()
