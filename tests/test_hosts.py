@@ -105,6 +105,9 @@ def test_bad_local_options(tmp_path, args, message):
     (["--bandwidth", "2"], "--bandwidth '2' must look like HOST:RATE"),
     (["--kill-syncing", "2@100"], "--kill-syncing 127.0.0.3@100: step must be between 1 and 99"),
     (["--kill-syncing", "2"], "--kill-syncing '2' must look like HOST@STEP"),
+    (["--add", "node7@20"], "host 'node7': a simulated host is a number (1..2), nothing (the next"),
+    (["--kill", "127.0.0.1@20"], "host '127.0.0.1': a simulated host is a number"),
+    (["--slow", "10.0.0.2:3"], "host '10.0.0.2': a simulated host is a number"),
 ])
 def test_bad_fault_options(args, message):
     """The outside faults' options, parsed as the command line parses them."""

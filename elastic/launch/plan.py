@@ -13,6 +13,7 @@ Two kinds of fault:
 from __future__ import annotations
 
 import argparse
+import ipaddress
 from dataclasses import asdict, dataclass, field
 
 from . import loopback
@@ -125,14 +126,28 @@ def fault(kind: str, host: str, step: int, slot: int | None = None,
 
 
 def resolve_host(text: str, plan_hosts: int, next_new: int) -> str:
-    """``2`` means the second simulated host; ``""`` the next new one; else a name."""
+    """``2`` means the second simulated host; ``""`` the next new one; else its address."""
     if text == "":
         return loopback.host_name(next_new)
     if text.isdigit():
         if not 1 <= int(text) <= plan_hosts:
             raise PlanError(f"host number {text} is outside 1..{plan_hosts}")
         return loopback.host_name(int(text) - 1)
+    if not _simulable(text):
+        raise PlanError(f"host {text!r}: a simulated host is a number (1..{plan_hosts}), nothing "
+                        f"(the next new one, as in '@120') or a loopback address 127.x.y.z "
+                        f"other than 127.0.0.1")
     return text
+
+
+def _simulable(name: str) -> bool:
+    """Simulated hosts are loopback addresses (aliases, or the namespaces' stand-ins for
+    them); 127.0.0.1 stays the machine's own."""
+    try:
+        address = ipaddress.IPv4Address(name)
+    except ValueError:
+        return False
+    return address.is_loopback and address != ipaddress.IPv4Address("127.0.0.1")
 
 
 def parse_at(value: str, option: str) -> tuple[str, int]:
