@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.percentiles import percentile   # noqa: E402
 from elastic.launch.loopback import host_name   # noqa: E402
+from elastic.launch.stopping import Stopping, stop_tree   # noqa: E402
 
 HOROVODRUN = str(Path(sys.executable).parent / "horovodrun")
 REGATTA_LOCAL = [sys.executable, "-m", "regatta", "local"]
@@ -63,10 +64,27 @@ def launch(flavour: str, params: int, dp: int, repeats: int, steps: int, folder:
            "--repeats", str(repeats), "--steps", str(steps), "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
            "REGATTA_PROCS_PER_MACHINE": str(dp), "REGATTA_SPOOL_DIR": str(folder / "spool")}
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+    done = run_bounded(cmd, env, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"{flavour} {params} dp={dp} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
     return json.loads(out.read_text())
+
+
+def run_bounded(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run`` that leaves nothing behind: on a timeout, or the bench stopped by
+    a signal, every process under ``cmd`` ends (horovodrun gives its workers their own
+    process groups, and 3 ranks of 100M hold 8 GB)."""
+    with Stopping() as stopping:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        stopping.forward_to(proc, group=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        finally:
+            stop_tree(proc)
+    if stopping.requested:
+        raise SystemExit(128 + stopping.requested)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def spread(values: list[float], unit: float = 1.0) -> str:
@@ -144,7 +162,7 @@ def additions(flavour: str, count: int, folder: Path) -> list[dict]:
            "--timeout", "3000", "--run-dir", str(run), "--report", str(run / "report.json"),
            "--", "--db", str(folder / "additions.db")]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "REGATTA_SPOOL_DIR": str(folder / "spool")}
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+    done = run_bounded(cmd, env, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"additions ({flavour}) failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
     report = json.loads((run / "report.json").read_text())
