@@ -87,19 +87,25 @@ def plan(minutes: float, every: float, steps_per_s: float, hosts: int,
 
 def recoveries(report: dict, struck: list[str]) -> dict[str, list[tuple[float, int]]]:
     """Per fault kind: (seconds from the fault to the first step done after it, steps
-    redone). A pair of kills counts once, from the first."""
-    faults = [e for e in report["events"] if e["kind"] == "fault_injected"
+    redone). A pair of kills counts once, from the first that struck. A fault whose target
+    was already gone (a chained kill's target Gloo aborted, say) is recorded as missed: it
+    keeps its place in the plan, or every later fault would be paired with the wrong one."""
+    faults = [e for e in report["events"] if e["kind"] in ("fault_injected", "fault_missed")
               and e["fault"] in ("kill", "vanish")]
     resumed = [e for e in report["events"] if e["kind"] == "resumed"]
     found, i = defaultdict(list), 0
     while i < len(faults) and i < len(struck):
-        kind, start = struck[i], faults[i]
-        last = faults[i + 1] if kind in ("double", "during_recovery") and i + 1 < len(faults) else start
+        kind = struck[i]
+        pair = kind in ("double", "during_recovery") and i + 1 < len(faults)
+        strikes = [e for e in faults[i:i + (2 if pair else 1)] if e["kind"] == "fault_injected"]
+        i += 2 if pair else 1
+        if not strikes:
+            continue     # nothing struck: nothing to recover from
+        start, last = strikes[0], strikes[-1]
         after = [e for e in resumed if e["wall_time"] > last["wall_time"]]
         seconds = after[0]["wall_time"] - start["wall_time"] if after else float("inf")
         redone = max(0, start["step"] - after[0]["step"] + 1) if after else 0
         found[kind].append((seconds, redone))
-        i += 2 if last is not start else 1
     return found
 
 
@@ -176,6 +182,8 @@ def main() -> None:
                 seconds = [s for s, _ in found]
                 print(f"{engine:8s} {kind:16s} {len(found):3d} {spread(seconds):>30s} "
                       f"{sum(r for _, r in found):13d}")
+            missed = [e["target"] for e in report["events"] if e["kind"] == "fault_missed"]
+            print(f"{engine:8s} faults whose target was already gone: {len(missed)}")
         print()
         for engine, (report, struck, steps, run_dir) in results.items():
             useful, seconds = pace(report)
