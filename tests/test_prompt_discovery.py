@@ -1,6 +1,7 @@
 """Regatta's horovodrun (elastic/launch/prompt_discovery.py): an edited hosts file is
 discovered at once, a script that looks elsewhere still runs once a second, bad input is
 named. The real driver runs it in every `regatta local` test."""
+import json
 import os
 import subprocess
 import sys
@@ -86,29 +87,31 @@ def test_bad_command_line_names_the_usage(args):
     assert "usage: python -m elastic.launch.prompt_discovery --watch FILE -- HOROVODRUN_ARGS" in done.stderr
 
 
+def imported(modules: str, watched: set[str]) -> list[str]:
+    """Which of the ``watched`` top-level packages importing ``modules`` pulls in, in a
+    fresh interpreter."""
+    code = (f"import json, sys, {modules}; "
+            f"print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}} & set({sorted(watched)!r}))))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
 def test_what_runs_before_every_worker_start_imports_nothing_heavy():
     """horovodrun starts each worker through a spawned middleman that first imports the
     launching module (horovodrun's own script: all of horovod.runner, ~0.2 s of CPU),
     and the shim it runs then talks to the agent: neither should import Horovod, torch or
     the agent's own dependencies."""
-    code = ("import sys, elastic.launch.prompt_discovery, elastic.launch.shim; "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'horovod', 'torch', 'http', 'numpy'}))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
-
+    assert imported("elastic.launch.prompt_discovery, elastic.launch.shim",
+                    {"horovod", "torch", "http", "numpy"}) == []
 
 
 def test_the_launcher_outside_the_namespaces_imports_no_store():
     """``regatta local`` starts itself again inside the namespaces; the outer one only waits
     for it, so SQLAlchemy (0.5 s of imports) is for the inner one alone."""
-    code = ("import sys, regatta.cli, elastic.launch.local; "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'sqlalchemy', 'alembic', 'torch', 'horovod'}))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
+    assert imported("regatta.cli, elastic.launch.local", {"sqlalchemy", "alembic", "torch", "horovod"}) == []
+
 
 class Counted:
     """Horovod's own ``gloo_built``, counting how often it is asked."""
@@ -124,7 +127,6 @@ class Counted:
 def test_horovods_gloo_check_is_asked_once_per_installed_build(tmp_path):
     """The check imports all of torch in a forked process on every launch; the answer is
     kept per build, and a record of another build, or a corrupt one, asks again."""
-    import json
     from elastic.launch.horovod_build import RECORD, build_key, remembered
     asked = Counted()
     check = remembered(asked, tmp_path)
