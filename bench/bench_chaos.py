@@ -182,8 +182,8 @@ def main() -> None:
                 seconds = [s for s, _ in found]
                 print(f"{engine:8s} {kind:16s} {len(found):3d} {spread(seconds):>30s} "
                       f"{sum(r for _, r in found):13d}")
-            missed = [e["target"] for e in report["events"] if e["kind"] == "fault_missed"]
-            print(f"{engine:8s} faults whose target was already gone: {len(missed)}")
+            missed = sum(e["kind"] == "fault_missed" for e in report["events"])
+            print(f"{engine:8s} faults whose target was already gone: {missed}")
         print()
         for engine, (report, struck, steps, run_dir) in results.items():
             useful, seconds = pace(report)

@@ -20,6 +20,15 @@ def host_name(index: int) -> str:
     return str(ipaddress.IPv4Address("127.0.0.0") + FIRST + index)
 
 
+def is_simulated(name: str) -> bool:
+    """Whether ``name`` can be a simulated host: a loopback address from FIRST on."""
+    try:
+        address = ipaddress.IPv4Address(name)
+    except ValueError:
+        return False
+    return address.is_loopback and address >= ipaddress.IPv4Address("127.0.0.0") + FIRST
+
+
 def _present() -> set[str]:
     return {a.address for addrs in psutil.net_if_addrs().values() for a in addrs}
 

@@ -13,7 +13,6 @@ Two kinds of fault:
 from __future__ import annotations
 
 import argparse
-import ipaddress
 from dataclasses import asdict, dataclass, field
 
 from . import loopback
@@ -133,21 +132,11 @@ def resolve_host(text: str, plan_hosts: int, next_new: int) -> str:
         if not 1 <= int(text) <= plan_hosts:
             raise PlanError(f"host number {text} is outside 1..{plan_hosts}")
         return loopback.host_name(int(text) - 1)
-    if not _simulable(text):
+    if not loopback.is_simulated(text):
         raise PlanError(f"host {text!r}: a simulated host is a number (1..{plan_hosts}), nothing "
                         f"(the next new one, as in '@120') or a loopback address 127.x.y.z "
-                        f"other than 127.0.0.1")
+                        f"from {loopback.host_name(0)} on")
     return text
-
-
-def _simulable(name: str) -> bool:
-    """Simulated hosts are loopback addresses (aliases, or the namespaces' stand-ins for
-    them); 127.0.0.1 stays the machine's own."""
-    try:
-        address = ipaddress.IPv4Address(name)
-    except ValueError:
-        return False
-    return address.is_loopback and address != ipaddress.IPv4Address("127.0.0.1")
 
 
 def parse_at(value: str, option: str) -> tuple[str, int]:
