@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.percentiles import percentile   # noqa: E402
 from elastic.launch.loopback import host_name   # noqa: E402
+from monitor.recovery import phases   # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 REGATTA = [sys.executable, "-m", "regatta", "local"]
@@ -85,14 +86,17 @@ def plan(minutes: float, every: float, steps_per_s: float, hosts: int,
     return ["--hosts", str(hosts), "--steps", str(steps), *args], struck, steps
 
 
-def recoveries(report: dict, struck: list[str]) -> dict[str, list[tuple[float, int]]]:
-    """Per fault kind: (seconds from the fault to the first step done after it, steps
-    redone). A pair of kills counts once, from the first that struck. A fault whose target
-    was already gone (a chained kill's target Gloo aborted, say) is recorded as missed: it
-    keeps its place in the plan, or every later fault would be paired with the wrong one."""
-    faults = [e for e in report["events"] if e["kind"] in ("fault_injected", "fault_missed")
+def recoveries(report: dict, struck: list[str]) -> dict[str, list[dict]]:
+    """Per fault kind, one row per fault: ``seconds`` from the fault to the first step done
+    after it, ``redone`` steps, the seconds to each of monitor.recovery's phases, and the
+    ``restarts`` in place and ``lifelines_failed`` on the way (where a tail goes). A pair of
+    kills counts once, from the first that struck. A fault whose target was already gone (a
+    chained kill's target Gloo aborted, say) is recorded as missed: it keeps its place in
+    the plan, or every later fault would be paired with the wrong one."""
+    events = sorted(report["events"], key=lambda e: e["wall_time"])
+    faults = [e for e in events if e["kind"] in ("fault_injected", "fault_missed")
               and e["fault"] in ("kill", "vanish")]
-    resumed = [e for e in report["events"] if e["kind"] == "resumed"]
+    resumed = [e for e in events if e["kind"] == "resumed"]
     found, i = defaultdict(list), 0
     while i < len(faults) and i < len(struck):
         kind = struck[i]
@@ -103,10 +107,31 @@ def recoveries(report: dict, struck: list[str]) -> dict[str, list[tuple[float, i
             continue     # nothing struck: nothing to recover from
         start, last = strikes[0], strikes[-1]
         after = [e for e in resumed if e["wall_time"] > last["wall_time"]]
-        seconds = after[0]["wall_time"] - start["wall_time"] if after else float("inf")
-        redone = max(0, start["step"] - after[0]["step"] + 1) if after else 0
-        found[kind].append((seconds, redone))
+        end = after[0]["wall_time"] if after else float("inf")
+        on_the_way = [e["kind"] for e in events if start["wall_time"] <= e["wall_time"] <= end]
+        found[kind].append({
+            "seconds": end - start["wall_time"],
+            "redone": max(0, start["step"] - after[0]["step"] + 1) if after else 0,
+            **phases(events, start["wall_time"], end + 1e-6),
+            "restarts": on_the_way.count("restart_in_place"),
+            "lifelines_failed": on_the_way.count("lifeline_failed")})
     return found
+
+
+def print_tails(engine: str, found: dict[str, list[dict]]) -> None:
+    """Per fault kind, the phases of its median and of its slowest recovery: seconds from
+    the fault to the first peer_lost/restore (detected), reset, sync and step done."""
+    print(f"\n{engine}: where recoveries went, seconds from the fault (median row / slowest row)")
+    print(f"{'fault kind':16s} {'detected':>13s} {'reset':>13s} {'synced':>13s} "
+          f"{'first step':>13s} {'restarts':>9s}")
+    cell = lambda v: "-" if v is None else f"{v:.2f}"   # noqa: E731
+    for kind, rows in sorted(found.items()):
+        ordered = sorted(rows, key=lambda r: r["seconds"])
+        middle, slowest = ordered[len(ordered) // 2], ordered[-1]
+        print(f"{kind:16s} " + " ".join(
+            f"{cell(middle[k]):>6s}/{cell(slowest[k]):>6s}"
+            for k in ("detected_s", "reset_done_s", "state_synced_s", "first_step_done_s"))
+            + f" {middle['restarts']:>4d}/{slowest['restarts']:<4d}")
 
 
 def sample_errors(run_dir: Path) -> tuple[int, int] | None:
@@ -179,11 +204,13 @@ def main() -> None:
               f"{'steps redone':>13s}")
         for engine, (report, struck, steps, run_dir) in results.items():
             for kind, found in sorted(recoveries(report, struck).items()):
-                seconds = [s for s, _ in found]
+                seconds = [r["seconds"] for r in found]
                 print(f"{engine:8s} {kind:16s} {len(found):3d} {spread(seconds):>30s} "
-                      f"{sum(r for _, r in found):13d}")
+                      f"{sum(r['redone'] for r in found):13d}")
             missed = sum(e["kind"] == "fault_missed" for e in report["events"])
             print(f"{engine:8s} faults whose target was already gone: {missed}")
+        for engine, (report, struck, steps, run_dir) in results.items():
+            print_tails(engine, recoveries(report, struck))
         print()
         for engine, (report, struck, steps, run_dir) in results.items():
             useful, seconds = pace(report)
