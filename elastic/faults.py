@@ -13,6 +13,8 @@ act on it at exact steps, which keeps fault tests repeatable:
   survivors are mid mesh connection, the worst moment for a second death.
 * ``kill_syncing``: the same, the instant its ``hvd.init`` of the new world has returned:
   the survivors' Gloo meshes are complete and their sync's first collectives start.
+* ``kill_entering``: the same, as it starts building the new world's lifelines (after the
+  sync): the survivors are in the lifelines' address exchange, a Horovod collective.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ class FaultPlan:
     pause: list = field(default_factory=list)
     kill_connecting: list = field(default_factory=list)
     kill_syncing: list = field(default_factory=list)
+    kill_entering: list = field(default_factory=list)
 
     @classmethod
     def from_env(cls) -> "FaultPlan":
@@ -40,12 +43,14 @@ class FaultPlan:
 
     def to_env(self) -> str:
         return json.dumps({"kill": self.kill, "slow": self.slow, "pause": self.pause,
-                           "kill_connecting": self.kill_connecting, "kill_syncing": self.kill_syncing})
+                           "kill_connecting": self.kill_connecting, "kill_syncing": self.kill_syncing,
+                           "kill_entering": self.kill_entering})
 
     def dies_recovering(self, host: str, step: int) -> str:
         """When this host's workers die in the recovery of the world re-formed at ``step``:
-        "connecting", "syncing", or "" (they do not)."""
-        for when, planned in (("connecting", self.kill_connecting), ("syncing", self.kill_syncing)):
+        "connecting", "syncing", "entering", or "" (they do not)."""
+        for when, planned in (("connecting", self.kill_connecting), ("syncing", self.kill_syncing),
+                              ("entering", self.kill_entering)):
             if any(f["host"] == host and step >= f["step"] for f in planned):
                 return when
         return ""

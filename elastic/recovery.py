@@ -98,7 +98,8 @@ class FastRecovery:
         self.state = None               # the training state a replacement gets (adopt)
         self.entered = False            # this process holds the job's state (it synced)
         self._armed = False             # training: the next death severs Gloo
-        self._forming = False           # between before_init and enter: the world re-forms
+        self._forming = False           # from before_init until enter's lifelines: the world re-forms
+        self._building = False          # enter is building the lifelines (self.gloo is this world's)
         self._episode = 0               # which re-forming (each has its own watch)
         self._death_seen_at = 0.0       # the last death a lifeline reported while re-forming
         self._doomed = ""               # when a planned fault kills this rank in this re-forming
@@ -109,7 +110,7 @@ class FastRecovery:
     # -- the runtime's calls ----------------------------------------------------------------
     def before_init(self) -> None:
         """Call before anything (re)initialises Horovod: a restore, a planned reset."""
-        self._armed = False
+        self._armed = self._building = False
         self._episode += 1   # the watch of the world being left ends here
         self.baseline.mark()
         self._death_seen_at = 0.0
@@ -155,9 +156,10 @@ class FastRecovery:
     def enter(self, world, allgather) -> None:
         """Call on (re)entering the training loop, after ``hvd.init`` and sync.
         ``allgather(obj, name)`` returns every rank's ``obj`` in rank order (under
-        Horovod: ``hvd.allgather_object(obj, name=name)``)."""
-        self._forming = False
-        self._withdraw()
+        Horovod: ``hvd.allgather_object(obj, name=name)``). The re-forming's watch and
+        hand-off stay until the new lifelines are up: a death while they are built (their
+        address exchange is a Horovod collective) is marked by its agent, and Gloo can
+        leave a survivor waiting out its 30 s timeout there (1 kill in 20 in a chaos run)."""
         restart.settle_environment()
         self.entered = True
         if self.lifeline is not None:   # peers still forming must not take this for a death
@@ -167,8 +169,11 @@ class FastRecovery:
             # may by then be another socket's.
             self.lifeline = None
         self.gloo = self.baseline.gloo_connections(exclude_fds=set())
+        self._building = True   # from here the watch severs self.gloo, not the lifelines' own
         self._last_size = world.size
         server = restart.rendezvous_server()
+        if self._doomed == "entering":
+            FaultPlan.kill_now(self.events, self.heartbeat.step, entering=True)
         try:
             self.lifeline = Lifeline(world.rank, world.size, world.host, host_address(world.host),
                                      allgather, self.heartbeat, self._on_death, self._on_stall,
@@ -180,6 +185,8 @@ class FastRecovery:
             from horovod.common.exceptions import HorovodInternalError
             self.events.record("lifeline_failed", self.heartbeat.step, error=str(err))
             raise HorovodInternalError(str(err)) from None
+        self._forming = self._building = False
+        self._withdraw()
         self._armed = True
         self.events.record("lifeline", None, peers=len(self.lifeline.peers),
                            gloo_sockets=len(self.gloo))
@@ -249,7 +256,8 @@ class FastRecovery:
             if initialised:
                 came_up = True
                 if not severed_at and restart.marked(server):
-                    count = sever(self.baseline.gloo_connections(exclude_fds=set()))
+                    count = sever(self.gloo if self._building else
+                                  self.baseline.gloo_connections(exclude_fds=set()))
                     self.events.record("severed_while_recovering", self.heartbeat.step, severed=count)
                     severed_at = time.time()
                 elif severed_at and time.time() - severed_at > GLOO_STUCK_S:

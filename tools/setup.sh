@@ -51,7 +51,7 @@ if ! $PY -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TO
 fi
 
 PYTAG=$($PY -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
-WHEELDIR=$CACHE/horovod-$HOROVOD_VERSION-torch$TORCH_VERSION-$PYTAG
+WHEELDIR=$CACHE/horovod-$HOROVOD_VERSION-torch$TORCH_VERSION-$PYTAG-nodebug   # the recipe below
 if ! $PY -c "import horovod.torch" 2>/dev/null; then
   if ! ls "$WHEELDIR"/horovod-*.whl >/dev/null 2>&1; then
     step "building Horovod $HOROVOD_VERSION (several minutes on two cores; cached in $WHEELDIR)"
@@ -64,6 +64,12 @@ if ! $PY -c "import horovod.torch" 2>/dev/null; then
     sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' \
       "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
     grep -q 'CMAKE_CXX_STANDARD 17' "$src/horovod/torch/CMakeLists.txt"
+    # Horovod builds RelWithDebInfo at -O3 with -g: debug symbols for every torch header
+    # take a third of the build on two cores (3.5 -> 2.3 min) and 19 of the wheel's 20 MB;
+    # the machine code is the same (-O3 -DNDEBUG either way).
+    sed -i 's/string(REPLACE "-O2" "-O3" CMAKE_\(C\|CXX\)_FLAGS_RELWITHDEBINFO/string(REPLACE "-O2 -g" "-O3" CMAKE_\1_FLAGS_RELWITHDEBINFO/' \
+      "$src/CMakeLists.txt"
+    [ "$(grep -c 'REPLACE "-O2 -g" "-O3"' "$src/CMakeLists.txt")" = 2 ]
     mkdir -p "$WHEELDIR"
     # Build output goes to a log; a dot a minute shows it is alive.
     ( while sleep 60; do printf '.'; done ) & ticker=$!

@@ -78,6 +78,7 @@ def worker_env(plan: LocalPlan, run_id: str, agent_dir: str) -> dict[str, str]:
     faults = FaultPlan(kill=[{"host": h, "step": s} for h, s in plan.kill],
                        kill_connecting=[{"host": h, "step": s} for h, s in plan.kill_connecting],
                        kill_syncing=[{"host": h, "step": s} for h, s in plan.kill_syncing],
+                       kill_entering=[{"host": h, "step": s} for h, s in plan.kill_entering],
                        slow=dict(plan.slow),
                        pause=[{"host": h, "step": s, "seconds": t} for h, s, t in plan.pause])
     env = dict(os.environ)

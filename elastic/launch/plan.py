@@ -37,6 +37,7 @@ class LocalPlan:
     kill: list = field(default_factory=list)      # [(host, step)]: the victim, at STEP
     kill_connecting: list = field(default_factory=list)   # [(host, step)]: see faults.py
     kill_syncing: list = field(default_factory=list)      # [(host, step)]: see faults.py
+    kill_entering: list = field(default_factory=list)     # [(host, step)]: see faults.py
     add: list = field(default_factory=list)       # [(host, step)]
     remove: list = field(default_factory=list)    # [(host, step)]
     slow: dict = field(default_factory=dict)      # {host: factor}
@@ -70,6 +71,7 @@ class LocalPlan:
         steps = [("--kill", h, s) for h, s in self.kill] + [("--add", h, s) for h, s in self.add] \
             + [("--kill-connecting", h, s) for h, s in self.kill_connecting] \
             + [("--kill-syncing", h, s) for h, s in self.kill_syncing] \
+            + [("--kill-entering", h, s) for h, s in self.kill_entering] \
             + [("--remove", h, s) for h, s in self.remove] \
             + [(f"--{f['fault']}", f["host"], f["step"]) for f in self.faults]
         for option, host, step in steps:
@@ -111,7 +113,8 @@ class LocalPlan:
 
     @classmethod
     def from_json(cls, data: dict) -> "LocalPlan":
-        for key in ("kill", "kill_connecting", "kill_syncing", "add", "remove", "pause"):
+        for key in ("kill", "kill_connecting", "kill_syncing", "kill_entering", "add", "remove",
+                    "pause"):
             data[key] = [tuple(entry) for entry in data[key]]
         return cls(**data)
 
@@ -186,6 +189,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kill-syncing", action="append", default=[], metavar="HOST@STEP",
                    help="the workers of HOST SIGKILL themselves in the first recovery after STEP, "
                         "the instant their hvd.init of the new world returns")
+    p.add_argument("--kill-entering", action="append", default=[], metavar="HOST@STEP",
+                   help="the workers of HOST SIGKILL themselves in the first recovery after STEP, "
+                        "as they start building the new world's lifelines (after the sync)")
     p.add_argument("--sigkill", action="append", default=[], metavar="HOST[/SLOT]@STEP[+AFTER]",
                    help="SIGKILL HOST's training processes from outside, at a random instant after "
                         "STEP, or AFTER seconds after the fault listed before it")
@@ -265,6 +271,8 @@ def plan_from_args(args: argparse.Namespace) -> LocalPlan:
                                       (parse_at(v, "--kill-connecting") for v in args.kill_connecting)],
                      kill_syncing=[(resolve_host(h, args.hosts, 0), s) for h, s in
                                    (parse_at(v, "--kill-syncing") for v in args.kill_syncing)],
+                     kill_entering=[(resolve_host(h, args.hosts, 0), s) for h, s in
+                                    (parse_at(v, "--kill-entering") for v in args.kill_entering)],
                      add=adds,
                      remove=[(resolve_host(h, args.hosts, 0), s)
                              for h, s in (parse_at(v, "--remove") for v in args.remove)],
