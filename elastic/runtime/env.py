@@ -48,6 +48,7 @@ class Env:
     mpi_cuda_aware: bool | None = None   # REGATTA_MPI_CUDA_AWARE=0|1 (None: ask MPI)
     pipe_init: str = ""             # REGATTA_PIPE_INIT: torch.distributed init method
     launch_key: str = ""            # what every process of one launch shares (run ids)
+    replacing: bool = False         # REGATTA_HANDOFF set: this worker takes a failed one's place
 
     @classmethod
     def read(cls, environ: dict | None = None) -> "Env":
@@ -63,7 +64,8 @@ class Env:
                    device=env.get("REGATTA_DEVICE", "").strip().lower(),
                    faults=_faults(env), slow_ranks=_slow_ranks(env),
                    mpi_cuda_aware=_flag(env, "REGATTA_MPI_CUDA_AWARE"),
-                   pipe_init=env.get("REGATTA_PIPE_INIT", ""), launch_key=_launch_key(env))
+                   pipe_init=env.get("REGATTA_PIPE_INIT", ""), launch_key=_launch_key(env),
+                   replacing=bool(env.get("REGATTA_HANDOFF")))
 
     def slow_factor(self, rank: int, host: str) -> float:
         """The slowdown injected into this rank: by rank, else the fault plan's by host."""

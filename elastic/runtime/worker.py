@@ -95,7 +95,7 @@ class Runtime:
                            engine=engine.name, fast_recovery=bool(self.recovery),
                            process_created=psutil.Process().create_time(), init_started=started)
         self.sampler = HostSampler(self.sink, self.run_id, self.world.host, self.world.slot)
-        if self.world.is_root:
+        if self.world.is_root and not self.env.replacing:   # once a run: 0.2 s of a recovery
             self.events.record("calibration", None, memcpy_bytes_per_s=memcpy_bandwidth())
 
     @property
