@@ -8,7 +8,8 @@ SIGKILL of a training process (any rank), of rank 0's, two kills 50-300 ms apart
 0.3-0.8 s after another (during its recovery), a host vanishing (link down for good).
 Every host lost is replaced by a new one (added back) a few seconds later. Prints per
 fault kind the time from the fault to the first step done in the new world (p50, p95,
-max), steps redone, samples skipped or repeated (Regatta's workers record the ids they
+max; for a pair also from its second kill), where the median and slowest went (detected,
+reset, synced, first step, restarts in place), steps redone, samples skipped or repeated (Regatta's workers record the ids they
 consume; the stock loop samples at random, so it has none to check), final accuracy, and
 goodput: useful steps per second over the run divided by the same engine's fault-free
 steps per second (measured first, in the same conditions).
@@ -111,6 +112,7 @@ def recoveries(report: dict, struck: list[str]) -> dict[str, list[dict]]:
         on_the_way = [e["kind"] for e in events if start["wall_time"] <= e["wall_time"] <= end]
         found[kind].append({
             "seconds": end - start["wall_time"],
+            "from_last": end - last["wall_time"],   # a pair: the second kill's own recovery
             "redone": max(0, start["step"] - after[0]["step"] + 1) if after else 0,
             **phases(events, start["wall_time"], end + 1e-6),
             "restarts": on_the_way.count("restart_in_place"),
@@ -201,12 +203,13 @@ def main() -> None:
         print(f"one fault every {args.every:.0f} s on average, {args.minutes:.1f} min, "
               f"{args.hosts} hosts (each lost host replaced)\n")
         print(f"{'engine':8s} {'fault kind':16s} {'n':>3s} {'recovery s: p50    p95    max':>30s} "
-              f"{'steps redone':>13s}")
+              f"{'from the last strike':>21s} {'steps redone':>13s}")
         for engine, (report, struck, steps, run_dir) in results.items():
             for kind, found in sorted(recoveries(report, struck).items()):
                 seconds = [r["seconds"] for r in found]
+                last = [r["from_last"] for r in found]
                 print(f"{engine:8s} {kind:16s} {len(found):3d} {spread(seconds):>30s} "
-                      f"{sum(r['redone'] for r in found):13d}")
+                      f"{spread(last):>21s} {sum(r['redone'] for r in found):13d}")
             missed = sum(e["kind"] == "fault_missed" for e in report["events"])
             print(f"{engine:8s} faults whose target was already gone: {missed}")
         for engine, (report, struck, steps, run_dir) in results.items():
