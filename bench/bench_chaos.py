@@ -45,7 +45,7 @@ def launch(engine: str, args: list[str], run_dir: Path, timeout: float) -> dict:
     report = run_dir.with_suffix(".json")
     command = REGATTA + ENGINES[engine] + args + [
         "--commit-every", "10", "--run-dir", str(run_dir), "--report", str(report),
-        "--timeout", str(timeout)]
+        "--db", str(run_dir.with_suffix(".db")), "--timeout", str(timeout)]   # not the user's store
     subprocess.run(command, cwd=ROOT, capture_output=True, timeout=timeout + 120)
     return json.loads(report.read_text())
 

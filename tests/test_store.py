@@ -325,3 +325,15 @@ def test_bad_rows_already_stored_do_not_break_reading(store):
     (event,) = store.events("r1")
     assert event["detail"] == {} and "detail_error" in event
     assert store.recoveries("r1") == []
+
+
+def test_a_sqlite_store_is_wal_and_syncs_at_checkpoints_only(tmp_path):
+    """Every connection: WAL (readers never block the writers) and synchronous=NORMAL (no
+    fsync per commit; a killed process still loses nothing it committed)."""
+    store = Store(str(tmp_path / "m.db"))
+    try:
+        with store.engine.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+            assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 1   # NORMAL
+    finally:
+        store.close()
