@@ -11,6 +11,7 @@ import socket
 from dataclasses import dataclass, field
 
 from elastic.faults import FaultPlan
+from elastic.restart import HANDOFF_ENV
 
 # Where launchers put a process's index among the ranks of its machine.
 LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "HOROVOD_LOCAL_RANK", "LOCAL_RANK",
@@ -65,7 +66,7 @@ class Env:
                    faults=_faults(env), slow_ranks=_slow_ranks(env),
                    mpi_cuda_aware=_flag(env, "REGATTA_MPI_CUDA_AWARE"),
                    pipe_init=env.get("REGATTA_PIPE_INIT", ""), launch_key=_launch_key(env),
-                   replacing=bool(env.get("REGATTA_HANDOFF")))
+                   replacing=bool(env.get(HANDOFF_ENV)))
 
     def slow_factor(self, rank: int, host: str) -> float:
         """The slowdown injected into this rank: by rank, else the fault plan's by host."""
