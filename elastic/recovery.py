@@ -122,12 +122,12 @@ class FastRecovery:
             # commit (the world it joined was doomed too), its successor still finds it.
             self._handoff = Handoff(restart.own_handoff_path(), None, placed=True,
                                     predecessor=Path(os.environ[restart.HANDOFF_ENV]))
-        elif first and self._can_be_replaced():
+        elif first:
             # A fresh worker (the first world's, or an added host's) starts placed: a death
             # in its first rendezvous replaces it too, stateless, instead of leaving it in
             # Gloo for 30 s and its host excluded (seen in a chaos run: rank 0 killed while
             # an added host joined).
-            self._handoff = Handoff(restart.own_handoff_path(), None, placed=True)
+            self._put_handoff(placed=True)
         if not first:
             restart.await_assignment()
             self._put_handoff()
@@ -292,11 +292,11 @@ class FastRecovery:
         return bool(os.environ.get(restart.AGENT_CHILD_ENV)) and \
             (not self.entered or hasattr(self.state, "write_handoff"))
 
-    def _put_handoff(self) -> None:
+    def _put_handoff(self, placed: bool = False) -> None:
         self._withdraw()   # one hand-off out at a time (a reset can follow a restore)
         if self._can_be_replaced():
             self._handoff = Handoff(restart.own_handoff_path(),
-                                    self.state if self.entered else None)
+                                    self.state if self.entered else None, placed=placed)
 
     def _last_connection_due(self) -> bool:
         """Whether Gloo has made all but the last of this rank's connections to the world

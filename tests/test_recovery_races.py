@@ -197,6 +197,16 @@ def test_survivors_that_ended_mid_recovery_left_their_recovery_in_the_store(kill
         assert [event for event in recorded if event not in stored] == []
 
 
+def short_race(tmp, *args: str) -> tuple:
+    """One short digits run with ``args`` (hosts, steps, faults), commits every 10 steps,
+    parameter hashes on: the finished command, its report and horovodrun's log."""
+    report = tmp / "report.json"
+    done = run([str(BIN / "regatta"), "local", "digits", *args, "--commit-every", "10",
+                "--run-dir", str(tmp / "run"), "--report", str(report), "--timeout", "150"],
+               timeout=170, env={"REGATTA_AUDIT": "1"}, check=False)
+    return done, json.loads(report.read_text()), (tmp / "run" / "horovodrun.log").read_text()
+
+
 @pytest.fixture(scope="module")
 def killed_syncing(tmp_path_factory):
     """4 hosts; host 2 dies at step 60, host 4 in the recovery, the instant its ``hvd.init``
@@ -204,13 +214,8 @@ def killed_syncing(tmp_path_factory):
     Gloo has a connection to a dead peer in each of them. (Planned for the first recovery
     after step 50: a survivor whose step 60 had not begun would not count that one. After
     the durable checkpoint of step 50: two hosts lost may have held both copies of a share.)"""
-    tmp = tmp_path_factory.mktemp("syncing")
-    report = tmp / "report.json"
-    done = run([str(BIN / "regatta"), "local", "digits", "--hosts", "4", "--steps", "100",
-                "--commit-every", "10", "--kill", "2@60", "--kill-syncing", "4@50",
-                "--run-dir", str(tmp / "run"), "--report", str(report), "--timeout", "150"],
-               timeout=170, env={"REGATTA_AUDIT": "1"}, check=False)
-    return done, json.loads(report.read_text()), (tmp / "run" / "horovodrun.log").read_text()
+    return short_race(tmp_path_factory.mktemp("syncing"),
+                      "--hosts", "4", "--steps", "100", "--kill", "2@60", "--kill-syncing", "4@50")
 
 
 def test_a_death_as_the_sync_starts_is_recovered_in_seconds(killed_syncing):
@@ -247,13 +252,8 @@ def killed_entering(tmp_path_factory):
     re-forming's watch lasted until the lifelines were up, a survivor waited out Gloo's 30 s
     there in 1 run of 3 (and 1 kill in 20 of a chaos run): this test fails 1 time in 3 on
     that code, the runs above reproduce it."""
-    tmp = tmp_path_factory.mktemp("entering")
-    report = tmp / "report.json"
-    done = run([str(BIN / "regatta"), "local", "digits", "--hosts", "4", "--steps", "100",
-                "--commit-every", "10", "--kill", "2@60", "--kill-entering", "4@50",
-                "--run-dir", str(tmp / "run"), "--report", str(report), "--timeout", "150"],
-               timeout=170, env={"REGATTA_AUDIT": "1"}, check=False)
-    return done, json.loads(report.read_text()), (tmp / "run" / "horovodrun.log").read_text()
+    return short_race(tmp_path_factory.mktemp("entering"),
+                      "--hosts", "4", "--steps", "100", "--kill", "2@60", "--kill-entering", "4@50")
 
 
 def test_a_death_as_the_lifelines_are_built_is_recovered_in_seconds(killed_entering):
@@ -278,13 +278,8 @@ def killed_joining(tmp_path_factory):
     the added host in: that host's fresh worker is in its first rendezvous. It was left
     there for Gloo to abort (its host excluded, the job one host short) or to time out
     (30 s, seen in a chaos run with rank 0 killed)."""
-    tmp = tmp_path_factory.mktemp("joining")
-    report = tmp / "report.json"
-    done = run([str(BIN / "regatta"), "local", "digits", "--hosts", "3", "--steps", "200",
-                "--commit-every", "10", "--add", "@60", "--kill-connecting", "1@55",
-                "--run-dir", str(tmp / "run"), "--report", str(report), "--timeout", "150"],
-               timeout=170, env={"REGATTA_AUDIT": "1"}, check=False)
-    return done, json.loads(report.read_text()), (tmp / "run" / "horovodrun.log").read_text()
+    return short_race(tmp_path_factory.mktemp("joining"),
+                      "--hosts", "3", "--steps", "200", "--add", "@60", "--kill-connecting", "1@55")
 
 
 def test_a_death_while_a_host_joins_keeps_the_added_host(killed_joining):
