@@ -8,8 +8,9 @@ SIGKILL of a training process (any rank), of rank 0's, two kills 50-300 ms apart
 0.3-0.8 s after another (during its recovery), a host vanishing (link down for good).
 Every host lost is replaced by a new one (added back) a few seconds later. Prints per
 fault kind the time from the fault to the first step done in the new world (p50, p95,
-max; for a pair also from its second kill), where the median and slowest went (detected,
-reset, synced, first step, restarts in place), steps redone, samples skipped or repeated (Regatta's workers record the ids they
+max; for a pair also from its second kill; for kills also from the instant the victim's
+last thread exited, before which no peer can see it die), where the median and slowest
+went (victim exited, detected, reset, synced, first step, restarts in place), steps redone, samples skipped or repeated (Regatta's workers record the ids they
 consume; the stock loop samples at random, so it has none to check), final accuracy, and
 goodput: useful steps per second over the run divided by the same engine's fault-free
 steps per second (measured first, in the same conditions).
@@ -110,9 +111,16 @@ def recoveries(report: dict, struck: list[str]) -> dict[str, list[dict]]:
         after = [e for e in resumed if e["wall_time"] > last["wall_time"]]
         end = after[0]["wall_time"] if after else float("inf")
         on_the_way = [e["kind"] for e in events if start["wall_time"] <= e["wall_time"] <= end]
+        exits = [e["wall_time"] for e in events if e["kind"] == "victim_exited"
+                 and e["victim"] in {s["pid"] for s in strikes}]
+        exited = max(exits) if len(exits) == len(strikes) and start["fault"] == "kill" else None
         found[kind].append({
             "seconds": end - start["wall_time"],
             "from_last": end - last["wall_time"],   # a pair: the second kill's own recovery
+            # the kernel's share: until the last victim's threads had all exited, its
+            # sockets were open and no peer could see it die
+            "exited_s": None if exited is None else exited - start["wall_time"],
+            "from_exit": None if exited is None else end - exited,
             "redone": max(0, start["step"] - after[0]["step"] + 1) if after else 0,
             **phases(events, start["wall_time"], end + 1e-6),
             "restarts": on_the_way.count("restart_in_place"),
@@ -124,15 +132,16 @@ def print_tails(engine: str, found: dict[str, list[dict]]) -> None:
     """Per fault kind, the phases of its median and of its slowest recovery: seconds from
     the fault to the first peer_lost/restore (detected), reset, sync and step done."""
     print(f"\n{engine}: where recoveries went, seconds from the fault (median row / slowest row)")
-    print(f"{'fault kind':16s} {'detected':>13s} {'reset':>13s} {'synced':>13s} "
-          f"{'first step':>13s} {'restarts':>9s}")
+    print(f"{'fault kind':16s} {'victim exited':>13s} {'detected':>13s} {'reset':>13s} "
+          f"{'synced':>13s} {'first step':>13s} {'restarts':>9s}")
     cell = lambda v: "-" if v is None else f"{v:.2f}"   # noqa: E731
     for kind, rows in sorted(found.items()):
         ordered = sorted(rows, key=lambda r: r["seconds"])
         middle, slowest = ordered[len(ordered) // 2], ordered[-1]
         print(f"{kind:16s} " + " ".join(
             f"{cell(middle[k]):>6s}/{cell(slowest[k]):>6s}"
-            for k in ("detected_s", "reset_done_s", "state_synced_s", "first_step_done_s"))
+            for k in ("exited_s", "detected_s", "reset_done_s", "state_synced_s",
+                      "first_step_done_s"))
             + f" {middle['restarts']:>4d}/{slowest['restarts']:<4d}")
 
 
@@ -203,13 +212,15 @@ def main() -> None:
         print(f"one fault every {args.every:.0f} s on average, {args.minutes:.1f} min, "
               f"{args.hosts} hosts (each lost host replaced)\n")
         print(f"{'engine':8s} {'fault kind':16s} {'n':>3s} {'recovery s: p50    p95    max':>30s} "
-              f"{'from the last strike':>21s} {'steps redone':>13s}")
+              f"{'from the last strike':>21s} {'from its exit':>21s} {'steps redone':>13s}")
         for engine, (report, struck, steps, run_dir) in results.items():
             for kind, found in sorted(recoveries(report, struck).items()):
                 seconds = [r["seconds"] for r in found]
                 last = [r["from_last"] for r in found]
+                exits = [r["from_exit"] for r in found if r["from_exit"] is not None]
                 print(f"{engine:8s} {kind:16s} {len(found):3d} {spread(seconds):>30s} "
-                      f"{spread(last):>21s} {sum(r['redone'] for r in found):13d}")
+                      f"{spread(last):>21s} {spread(exits):>21s} "
+                      f"{sum(r['redone'] for r in found):13d}")
             missed = sum(e["kind"] == "fault_missed" for e in report["events"])
             print(f"{engine:8s} faults whose target was already gone: {missed}")
         for engine, (report, struck, steps, run_dir) in results.items():

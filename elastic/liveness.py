@@ -11,6 +11,8 @@ they are waiting. Slow but progressing ranks are stragglers, not stalls.
 """
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 
@@ -26,6 +28,16 @@ class Heartbeat:
 
     def leave_collective(self, step: int) -> None:
         self.step, self.waiting = step, False
+
+    @contextmanager
+    def collective(self, state):
+        """Waiting in ``state``'s step from entry until it returns or raises (a severed
+        collective raises: the rank is no longer waiting in it)."""
+        self.enter_collective(state.step, time.time())
+        try:
+            yield
+        finally:
+            self.leave_collective(state.step)
 
 
 @dataclass

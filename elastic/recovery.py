@@ -20,8 +20,9 @@ while its hand-off was out (restart.py, handoff.py). The hand-off stays out unti
 is entered: a death just after ``hvd.init`` can leave a survivor's Horovod background loop
 waiting in Gloo for the dead peer until Gloo's timeout (30 s), with no connection left to
 sever (Gloo had closed it; the receive was posted after). Such a rank is restarted in
-place: one still in the sync :data:`GLOO_STUCK_S` after the sever, or one whose
-``hvd.shutdown`` (which joins that loop) has not returned by then.
+place: one still in the sync, or in the training step's collective, :data:`GLOO_STUCK_S`
+after the sever, or one whose ``hvd.shutdown`` (which joins that loop) has not returned
+by then.
 
 The runtime calls :meth:`FastRecovery.before_init` before every (re)initialisation,
 :meth:`FastRecovery.adopt` once its training state exists, :meth:`FastRecovery.enter` on
@@ -193,6 +194,7 @@ class FastRecovery:
             raise HorovodInternalError(str(err)) from None
         self._forming = self._building = False
         self._withdraw()
+        restart.hand_lifelines_to_agent(list(self.lifeline.peers))
         self._armed = True
         self.events.record("lifeline", None, peers=len(self.lifeline.peers),
                            gloo_sockets=len(self.gloo))
@@ -217,6 +219,8 @@ class FastRecovery:
             severed = sever(self.gloo)
             self.events.record("peer_lost", self.heartbeat.step, peer_rank=rank, target=host,
                                severed=severed, how=how)
+            threading.Thread(target=self._watch_sever, args=(self._episode,),
+                             name="regatta-sever", daemon=True).start()
             return
         # Already recovering: this rank may have left the collective (its peers' severed
         # connections) before its own lifeline told it of the death that started it. A
@@ -228,6 +232,23 @@ class FastRecovery:
         if how == "timeout":
             threading.Thread(target=restart.put_mark, daemon=True,
                              args=(restart.rendezvous_server(), f"{host} timed out")).start()
+
+    def _watch_sever(self, episode: int) -> None:
+        """A severed collective raises in milliseconds (the heartbeat stops waiting). One
+        still waiting GLOO_STUCK_S later is Horovod's background loop in a Gloo receive
+        posted after Gloo had closed that connection, as in the sync: it would wait out
+        Gloo's timeout (30 s in a chaos run, every Gloo connection severed). Restart in
+        place with the last commit."""
+        stuck = lambda: self._episode == episode and self.heartbeat.waiting  # noqa: E731
+        deadline = time.time() + GLOO_STUCK_S
+        while time.time() < deadline:
+            time.sleep(0.05)
+            if not stuck():     # it raised (a restore may take a while yet), or it re-formed
+                return
+        restart.await_assignment()    # its replacement waits for the world forming next
+        self._put_handoff()
+        if stuck():
+            self._restart_in_place("the step's collective still waited on Gloo after the sever")
 
     def _on_stall(self, kind: str, rank: int, host: str, **detail) -> None:
         self.events.record(kind, self.heartbeat.step, stalled_rank=rank, target=host, **detail)

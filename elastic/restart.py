@@ -28,12 +28,14 @@ import os
 import tempfile
 from pathlib import Path
 
+from .launch.dying import send_lifelines
 from .whole_files import replace_text
 
 RESTART_EXIT = 76   # "replace me": the agent forks a fresh worker for the slot
 CUT_OFF_EXIT = 75   # this worker's host lost the network: it leaves the job
 HANDOFF_ENV = "REGATTA_HANDOFF"        # set by the agent for a worker that replaces another
 AGENT_CHILD_ENV = "REGATTA_AGENT_CHILD"   # set by the agent in every worker it forks
+AGENT_CHANNEL_ENV = "REGATTA_AGENT_CHANNEL"   # the fd a forked worker hands its lifelines over
 MARK = ("regatta", "restart")          # scope and key of the restart mark
 ASSIGNMENT = "rank_and_size"            # Horovod's scope for a slot's place in the world
 
@@ -192,3 +194,12 @@ def handed_slot(path: Path) -> int | None:
         return json.loads(Path(f"{path}.json").read_text())["slot"]
     except (FileNotFoundError, ValueError, KeyError):
         return None
+
+
+def hand_lifelines_to_agent(sockets: list) -> None:
+    """Give this worker's agent duplicates of its new lifelines, which it shuts down the
+    moment this process is SIGKILLed, before the kernel has torn its memory down
+    (elastic/launch/dying.py). Nothing without an agent."""
+    channel = os.environ.get(AGENT_CHANNEL_ENV)
+    if channel:
+        send_lifelines(int(channel), sockets)

@@ -17,7 +17,11 @@ agent saw a worker crash: detail ``target``, ``slot``, ``pid``, ``code`` and ``a
 excludes the host). ``fault_missed``: a kill or stop whose target had no live training
 process when it came (it had died already, e.g. Gloo aborted it for a peer's death);
 detail ``fault``, ``target``, ``slot``, ``pid``. Both fault kinds mark when the failure that follows on that host began
-(monitor.recovery measures "detected" from them).
+(monitor.recovery measures "detected" from them). ``victim_exited``: the launcher saw every
+thread of the process it SIGKILLed gone (only then are its sockets closed); detail
+``target``, ``victim`` (pid), ``after_s`` since the kill, and for a slow exit ``threads``
+(their states, kernel wait channels and CPUs as they changed) and ``stolen_s`` (per CPU, the
+seconds the hypervisor took meanwhile).
 """
 from __future__ import annotations
 
@@ -52,6 +56,7 @@ KINDS: dict[str, EventKind] = {k.name: k for k in (
     EventKind("straggler", MINOR, "straggler", _AMBER, "hourglass-open"),
     EventKind("kill_injected", NONE, "kill injected", _RED, "x-open"),
     EventKind("fault_missed", NONE, "fault missed", _GREY, "x-open"),
+    EventKind("victim_exited", NONE, "victim exited", _GREY, "x-open"),
     EventKind("peer_lost", NONE, "peer lost", _RED, "x-open"),
     EventKind("restore", NONE, "restore", _ORANGE, "triangle-left"),
     EventKind("reset", NONE, "reset", _PURPLE, "diamond-open"),

@@ -90,6 +90,7 @@ def test_killed_worker_is_reported_as_killed(agent, tmp_path):
 ABORTS = str(ROOT / "tests" / "workers" / "abort_worker.py")
 TERMS = str(ROOT / "tests" / "workers" / "sigterm_worker.py")
 STUCK = str(ROOT / "tests" / "workers" / "stuck_shutdown_worker.py")
+STUCK_STEP = str(ROOT / "tests" / "workers" / "stuck_collective_worker.py")
 
 
 def test_worker_aborted_while_re_forming_is_replaced_with_its_handoff(agent):
@@ -116,6 +117,22 @@ def test_a_survivor_whose_horovod_shutdown_hangs_is_replaced_with_its_commit(age
         ("Horovod's shutdown waited on Gloo for a dead peer", True)
     began = float(out.split("re-forming from ")[1].split()[0])
     assert GLOO_STUCK_S <= restarted["wall_time"] - began < GLOO_STUCK_S + 3
+
+
+def test_a_survivor_whose_step_collective_outlives_the_sever_is_replaced(agent, tmp_path):
+    """A lifeline reports a death, the survivor severs its Gloo connections, yet its
+    step's collective does not raise (Horovod's loop waits on a connection Gloo had
+    already closed: 30 s in a chaos run). Within seconds it is restarted in place with
+    its commit; horovodrun sees one worker that exited 0."""
+    proc = shim(agent, tmp_path, job=(STUCK_STEP,))
+    out, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 0 and "never restarted" not in out, out
+    assert "replacement given [b'commit of step 7']" in out, out
+    (restarted,) = [e for e in read_events(tmp_path) if e["kind"] == "restart_in_place"]
+    assert (restarted["reason"], restarted["handoff"]) == \
+        ("the step's collective still waited on Gloo after the sever", True)
+    died = float(out.split("peer died at ")[1].split()[0])
+    assert GLOO_STUCK_S <= restarted["wall_time"] - died < GLOO_STUCK_S + 3
 
 
 def test_a_rank_two_threads_restart_at_once_asks_for_one_replacement(agent, tmp_path):

@@ -9,6 +9,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -192,6 +193,26 @@ def test_a_checkpoint_before_the_writer_is_up_is_written_from_a_thread(tmp_path)
         assert load(path, expect=FORMAT)["step"] == 2
     finally:
         writer.close()
+
+
+def test_only_a_large_state_is_written_from_a_niced_thread(tmp_path, monkeypatch):
+    """Nice 19 keeps a large write off the ranks' CPU; a small one takes milliseconds, and
+    a starved thread would keep a SIGKILLed rank 0 alive (its sockets open) until it ran."""
+    from elastic.runtime import checkpoint_writer
+    niceness, real_save = [], checkpoint_writer.save_atomic
+
+    def save_atomic(*args):
+        niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return real_save(*args)
+    monkeypatch.setattr(checkpoint_writer, "save_atomic", save_atomic)
+    writer = CheckpointWriter()
+    try:
+        for numel in (1000, PROCESS_MIN_BYTES // 4):
+            done = writer.submit(lambda: payload(1, numel), tmp_path / "state.pt").result(timeout=120)
+            assert done["writer"] == "thread"
+    finally:
+        writer.close()
+    assert niceness == [0, 19]
 
 
 def test_the_writer_is_not_taken_for_a_horovod_worker(monkeypatch):

@@ -5,7 +5,7 @@ import subprocess
 import sys
 import time
 
-from elastic.launch.inject import Injector, Workers
+from elastic.launch.inject import Injector, Workers, thread_states
 from elastic.launch.plan import fault
 from elastic.runtime.events import EventLog
 
@@ -68,7 +68,7 @@ def test_a_kill_whose_target_died_already_is_recorded_as_missed(tmp_path):
             if text.count('"fault_missed"') == 2:
                 break
             time.sleep(0.02)
-        events = [json.loads(line) for line in text.splitlines()]
+        events = [json.loads(line) for line in text.splitlines() if "victim_exited" not in line]
         assert [(e["kind"], e["target"], e["pid"]) for e in events] == [
             ("fault_injected", "a", alive.pid), ("fault_missed", "b", dead.pid),
             ("fault_missed", "gone", None)]
@@ -76,3 +76,38 @@ def test_a_kill_whose_target_died_already_is_recorded_as_missed(tmp_path):
     finally:
         alive.kill()
         alive.wait()
+
+
+def test_the_launcher_records_when_a_killed_process_has_exited(tmp_path):
+    """A SIGKILL is not a death: the kernel closes the victim's sockets only once its last
+    thread has exited, and chaos runs measure their recoveries' tails against that."""
+    victim = subprocess.Popen([sys.executable, "-c", (
+        "import threading, time\n"
+        "for _ in range(3): threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+        "print('up', flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert victim.stdout.readline() == "up\n"
+        deadline = time.monotonic() + 5      # the main thread may not be asleep yet
+        while not all(s.startswith("S:") for s in thread_states(victim.pid)) \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
+        states = thread_states(victim.pid)
+        assert len(states) == 4 and all(s.startswith("S:") for s in states), states
+        log = EventLog(tmp_path, "launcher", 0)
+        injector = Injector([fault("sigkill", "a", 5)], SlowToFind({"a": victim}, 0), None, log)
+        injector.reached(5, 0.01)
+        assert victim.wait(timeout=10) == -9
+        deadline, exited = time.monotonic() + 10, []
+        while not exited and time.monotonic() < deadline:
+            text = "".join(p.read_text() for p in (tmp_path / "events").glob("*.jsonl"))
+            exited = [json.loads(line) for line in text.splitlines() if "victim_exited" in line]
+            time.sleep(0.02)
+        (event,) = exited
+        assert (event["target"], event["victim"]) == ("a", victim.pid)
+        struck = injector.struck[0]["wall_time"]
+        assert 0 <= event["after_s"] <= event["wall_time"] - struck + 0.01
+        assert event["after_s"] < 5
+        assert thread_states(victim.pid) == []
+    finally:
+        victim.kill()
+        victim.wait()

@@ -31,10 +31,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..restart import (AGENT_CHILD_ENV, CUT_OFF_EXIT, HANDOFF_ENV, RESTART_EXIT, handoff_files,
-                       handoff_out, handoff_path, handoff_placed, put_mark,
-                       rendezvous_server)
+from ..restart import (AGENT_CHANNEL_ENV, AGENT_CHILD_ENV, CUT_OFF_EXIT, HANDOFF_ENV,
+                       RESTART_EXIT, handoff_files, handoff_out, handoff_path, handoff_placed,
+                       put_mark, rendezvous_server)
 from .agent_address import DIR_ENV, NAMESPACE_ENV, WARMING_ENV, socket_name  # noqa: F401 (its users')
+from .dying import HeldLifelines, sigkilled
 from .target import Target
 
 MAX_RESTARTS = 20   # replacements of one slot's worker in a row (a worker that keeps
@@ -112,6 +113,7 @@ class Child:
     fds: list                # the shim's stdio, kept for a replacement
     restarts: int = 0
     orphaned: bool = False   # its shim died: nobody to start a replacement for
+    lifelines: HeldLifelines | None = None   # the running worker's (set as it is forked)
 
 
 class Agent:
@@ -126,16 +128,31 @@ class Agent:
 
     def serve_forever(self) -> None:
         while True:
-            watched = [self.listener, *(c.conn for c in self.children.values())]
+            sent = {c.lifelines.channel: c for c in self.children.values()}
+            watched = [self.listener, *(c.conn for c in self.children.values()), *sent]
             readable, _, _ = select.select(watched, [], [], 0.01)
             for sock in readable:
                 if sock is self.listener:
                     conn, _ = self.listener.accept()
                     message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
                     self._spawn(Child(conn, json.loads(message.decode()), fds))
+                elif sock in sent:
+                    sent[sock].lifelines.take()
                 else:
                     self._shim_gone(sock)
+            self._end_killed()
             self._reap()
+
+    def _end_killed(self) -> None:
+        """A worker SIGKILLed is dead now, though its kernel may take a second to tear its
+        memory down before closing its sockets (elastic/launch/dying.py): its lifelines
+        are shut, its death marked and its slot refilled or given up at once. The zombie
+        is reaped later, with nothing left to do."""
+        for pid in [pid for pid in self.children if sigkilled(pid)]:
+            child = self.children.pop(pid)
+            child.lifelines.shut()
+            child.lifelines.close()
+            self._ended(pid, child, -signal.SIGKILL)
 
     def _spawn(self, child: Child, handoff: str = "") -> None:
         env = child.request["env"]
@@ -143,18 +160,24 @@ class Agent:
         env.pop(HANDOFF_ENV, None)
         if handoff:
             env[HANDOFF_ENV] = handoff
+        child.lifelines = HeldLifelines()
+        env[AGENT_CHANNEL_ENV] = str(child.lifelines.worker_end.fileno())
         pid = os.fork()
         if pid == 0:
             self.listener.close()
             # Nothing of the other slots' shims: a worker holding another shim's output
-            # open keeps horovodrun from seeing that shim end (it reads to the end first).
+            # open keeps horovodrun from seeing that shim end (it reads to the end first);
+            # nor of their lifelines, which would then outlive their deaths.
             for other in self.children.values():
                 other.conn.close()
+                other.lifelines.close()
                 for fd in other.fds:
                     os.close(fd)
             child.conn.close()
+            child.lifelines.channel.close()
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             run_child(child.request, child.fds)
+        child.lifelines.worker_end.close()
         self.children[pid] = child
         try:
             child.conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
@@ -175,7 +198,7 @@ class Agent:
                     pass
 
     def _reap(self) -> None:
-        while self.children:
+        while True:     # a killed worker already ended (_end_killed) is still to be reaped
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
@@ -186,6 +209,7 @@ class Agent:
             code = os.waitstatus_to_exitcode(status)
             tell({"exit": pid, "code": code})
             if child is not None:
+                child.lifelines.close()    # now, or the peers never read their EOF
                 self._ended(pid, child, code)
 
     def _refilled(self, pid: int, child: Child, code: int, handoff: Path) -> bool:

@@ -9,6 +9,7 @@ and so in the store when the run has one.
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import random
@@ -19,6 +20,33 @@ import time
 import psutil
 
 from .agent import NAMESPACE_ENV
+
+
+SLOW_EXIT_S = 0.2     # a SIGKILLed process still running threads this long: say what they did
+EXIT_WATCH_S = 30.0
+
+
+def thread_states(pid: int) -> list[str]:
+    """``STATE:wait_channel@cpuN`` of each of ``pid``'s threads that has not exited, sorted
+    (N: the CPU it last ran on)."""
+    states = []
+    for task in glob.glob(f"/proc/{pid}/task/*"):
+        try:
+            with open(f"{task}/stat") as stat, open(f"{task}/wchan") as wchan:
+                fields = stat.read().rsplit(")", 1)[1].split()
+                if fields[0] not in ("Z", "X"):
+                    states.append(f"{fields[0]}:{wchan.read()}@cpu{fields[36]}")
+        except OSError:      # exited meanwhile
+            pass
+    return sorted(states)
+
+
+def stolen_s() -> dict[str, float]:
+    """Per CPU, the seconds the hypervisor ran something else while this machine's CPU
+    wanted to run (/proc/stat's steal; 0 on bare metal)."""
+    with open("/proc/stat") as stat:
+        return {f[0]: int(f[8]) / os.sysconf("SC_CLK_TCK") for f in map(str.split, stat)
+                if f[0].startswith("cpu") and f[0] != "cpu"}
 
 
 class Workers:
@@ -147,6 +175,31 @@ class Injector:
             self._missed(name, host, slot, pid, step)
             return
         self._record(name, host, slot, pid, step)
+        if sig == signal.SIGKILL:
+            threading.Thread(target=self._watch_death, args=(pid, host, step),
+                             name="regatta-victim-watch", daemon=True).start()
+
+    def _watch_death(self, pid: int, host: str, step: int) -> None:
+        """Record ``victim_exited`` once every thread of the SIGKILLed ``pid`` has exited:
+        only then does the kernel close its sockets, so no peer can notice the death
+        sooner. A slow exit (over SLOW_EXIT_S) also records what its threads were doing
+        (state, kernel wait channel, CPU) as they changed and each CPU's time stolen by the
+        hypervisor meanwhile, so a recovery's tail can be told apart: ours, or a victim
+        the kernel had not finished killing."""
+        started, seen, last, steal = time.perf_counter(), [], None, stolen_s()
+        while time.perf_counter() - started < EXIT_WATCH_S:
+            live = thread_states(pid)
+            if not live:
+                break
+            if live != last:
+                seen.append([round(time.perf_counter() - started, 3), live])
+                last = live
+            time.sleep(0.003)
+        after = time.perf_counter() - started
+        slow = {"threads": seen[:12], "stolen_s": {cpu: round(s - steal[cpu], 2)
+                                                   for cpu, s in stolen_s().items()}}
+        self.log.record("victim_exited", step, target=host, victim=pid, after_s=round(after, 4),
+                        **(slow if after > SLOW_EXIT_S else {}))
 
     def _missed(self, fault: str, host: str, slot, pid, step: int) -> None:
         """Said, not silently dropped: the target died before the fault came (a chained

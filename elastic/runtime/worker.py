@@ -152,10 +152,9 @@ class Runtime:
         entered = True
         while state.step < self.cfg.steps:
             self.env.faults.before_step(self.world, state.step, self.events)
-            self.heartbeat.enter_collective(state.step, time.time())
             started = time.perf_counter()
-            row, agreed = self.engine.step(state, self.pending(state))
-            self.heartbeat.leave_collective(state.step)
+            with self.heartbeat.collective(state):
+                row, agreed = self.engine.step(state, self.pending(state))
             if entered:   # the end of a recovery: first step done in this world
                 self.events.record("resumed", state.step, size=self.world.size,
                                    step_time=time.perf_counter() - started)
