@@ -294,7 +294,12 @@ def test_a_death_while_a_host_joins_keeps_the_added_host(killed_joining):
     assert "Wait timeout" not in log
     (kill,) = kinds(report, "kill_injected")
     assert (kill["host"], kill.get("connecting")) == ("127.0.0.2", True)
-    assert (report["final_step"], report["final_world_size"]) == (200, 3)
+    # Failed once in a fresh clone's full suite (world 2), never alone (8 of 8 here, 4 of
+    # them beside two busy loops): what left the world is in the message.
+    lost = [{k: e.get(k) for k in ("kind", "host", "target", "code", "action", "reason")}
+            for e in report["events"] if e["kind"] in ("slot_failed", "restart_in_place",
+                                                       "no_place", "host_removed", "cut_off")]
+    assert (report["final_step"], report["final_world_size"]) == (200, 3), lost
     assert not [e for e in kinds(report, "slot_failed") if e["target"] == "127.0.0.5"
                 and e["action"] == "host_excluded"]
     commits = [e for e in kinds(report, "commit") if e["step"] == 200]
