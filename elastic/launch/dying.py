@@ -19,7 +19,6 @@ it ends, so a death other than a SIGKILL is seen when the agent reaps the worker
 """
 from __future__ import annotations
 
-import array
 import signal
 import socket
 
@@ -83,10 +82,12 @@ class HeldLifelines:
 def send_lifelines(channel_fd: int, sockets: list[socket.socket]) -> None:
     """The worker's side: hand the agent these sockets in place of the ones before."""
     channel = socket.socket(fileno=channel_fd)
-    fds = array.array("i", [s.fileno() for s in sockets][:MAX_FDS])
     try:   # never blocks: a message the agent has not read yet is only an optimisation lost
-        channel.sendmsg([b"L"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)] if fds else [],
-                        socket.MSG_DONTWAIT)
+        fds = [s.fileno() for s in sockets][:MAX_FDS]
+        if fds:
+            socket.send_fds(channel, [b"L"], fds, socket.MSG_DONTWAIT)
+        else:       # none to hold now: the agent lets the last ones go
+            channel.send(b"L", socket.MSG_DONTWAIT)
     except OSError:
         pass
     finally:

@@ -276,13 +276,8 @@ def writer_environment() -> dict[str, str]:
 
 
 def write_here(request: dict, memory: mmap.mmap, waited: float, snapshot_s: float, pace: Pace) -> dict:
-    """A small state's write, and a large one's while the writer process still imports (its
-    first second or two), goes from a thread of this process: a run's first checkpoint is
-    on disk as early as it was, whatever the process's start costs. A large one's at nice
-    19, so the ranks keep their CPU. A small one's not: it takes milliseconds at nice 0, and
-    a starved thread keeps a SIGKILLed process alive until the scheduler runs it (0.6-1 s
-    beside 10 busy processes on 2 cores here), with its sockets open, so no peer sees the
-    death: rank 0's in chaos runs took 0.5-0.8 s to die."""
+    """A small state's write, or a large one's while the writer process imports. Large only at
+    nice 19: a starved thread keeps a SIGKILLed rank alive (0.6-1 s on 2 busy cores)."""
     if request["used"] >= PROCESS_MIN_BYTES:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     started = time.perf_counter()
