@@ -31,6 +31,39 @@ def test_only_a_sigkill_makes_a_death_certain():
             proc.wait()
 
 
+# The main thread spins at SCHED_IDLE beside busy processes on one CPU, so it runs long
+# after another thread's os._exit marked it with SIGKILL (how the kernel ends the other
+# threads of an exiting process): hundreds of ms here, while the agent looks every 10 ms.
+STARVED_EXIT = """
+import os, sys, threading, time
+os.sched_setaffinity(0, {0})
+os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+threading.Thread(target=lambda: (time.sleep(0.5), os._exit(7))).start()
+while True:
+    pass
+"""
+BUSY = "import os, time; os.sched_setaffinity(0, {0}); end = time.time() + 20\nwhile time.time() < end: pass"
+
+
+def test_an_exit_from_a_thread_is_not_a_sigkill():
+    """A worker restarting in place leaves by os._exit from a watcher thread: its agent
+    must see an exit with its code, never a SIGKILL (it would refill the slot)."""
+    busy = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(3)]
+    children = []
+    try:
+        for _ in range(2):
+            children.append(child := subprocess.Popen([sys.executable, "-c", STARVED_EXIT]))
+            polls = 0
+            while child.poll() is None:
+                assert not sigkilled(child.pid), f"after {polls} polls"
+                polls += 1
+            assert child.returncode == 7 and polls > 100
+    finally:
+        for proc in busy + children:
+            proc.kill()
+            proc.wait()
+
+
 def big_process(server: socket.socket, held: HeldLifelines | None):
     """A process with GB of memory and a connection to ``server``, handed to ``held``."""
     channel = [str(held.worker_end.fileno())] if held else []

@@ -9,8 +9,8 @@ or not scheduled), seconds for a process holding tens of GB. Until then every pe
 in its collective. No one can take a descriptor from a process once it is exiting
 (``pidfd_getfd`` refuses it), so the worker hands its agent duplicates of its lifeline
 sockets each time it builds them (:func:`elastic.restart.hand_lifelines_to_agent`); the
-agent, which looks at its workers every 10 ms, sees a pending or delivered SIGKILL in
-/proc/PID/stat and shuts them down (``shutdown`` ends the connection itself, whoever
+agent, which looks at its workers every 10 ms, sees a SIGKILL sent to one in
+/proc/PID/status and shuts them down (``shutdown`` ends the connection itself, whoever
 else holds it): the peers read EOF at once and learn of the death as from the kernel.
 
 The agent closes its duplicates when it replaces them and when the worker ends, however
@@ -22,21 +22,23 @@ from __future__ import annotations
 import signal
 import socket
 
-PF_EXITING = 0x4
 MAX_FDS = 253          # SCM_MAX_FD: the most descriptors one message can carry
 
 
 def sigkilled(pid: int) -> bool:
-    """Whether ``pid`` has a SIGKILL pending, or is exiting from one: its death is certain."""
+    """Whether someone sent ``pid`` a SIGKILL: its death is certain.
+
+    Read from the signals pending for the whole process (``ShdPnd``), where kill(2) puts
+    it and where it stays until the process is reaped. Not from a thread's own pending
+    set: the kernel sets SIGKILL there also in every other thread of a process that
+    exits normally from one of its threads (``os._exit`` in a watcher thread, as a
+    restart in place does), and that process must not count as killed."""
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-    except OSError:
+        with open(f"/proc/{pid}/status") as status:
+            shared = next(line for line in status if line.startswith("ShdPnd:"))
+    except (OSError, StopIteration):
         return False
-    # fields[n] is proc_pid_stat(5)'s field n + 3: flags (9), pending signals (31), exit_code (52)
-    flags, pending, code = int(fields[6]), int(fields[28]), int(fields[49])
-    return bool(pending >> (signal.SIGKILL - 1) & 1) \
-        or bool(flags & PF_EXITING and code & 0x7F == signal.SIGKILL)
+    return bool(int(shared.split()[1], 16) >> (signal.SIGKILL - 1) & 1)
 
 
 class HeldLifelines:
