@@ -14,7 +14,6 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import psutil
 import torch
 from horovod.common.exceptions import HostsUpdatedInterrupt
 from tqdm import tqdm
@@ -30,7 +29,7 @@ from .env import Env
 from .checkpoint import CheckpointError
 from .checkpoint_writer import PendingWrite
 from .events import EventLog, Progress
-from .reporting import HostSampler, StepReporter, memcpy_bandwidth
+from .reporting import HostSampler, StepReporter, memcpy_bandwidth, process_started
 from .runs import (code_revision, launcher_name, mark_checkpoint_folder, new_run_id, open_sink,
                    resumed_run_id, run_row)
 from .world import World, share_cores
@@ -48,6 +47,7 @@ def current() -> "Runtime":
 
 class Runtime:
     def __init__(self, env: Env, cfg, job: str, config: dict, callbacks: list | None = None):
+        self.created = time.time()
         self.env, self.cfg, self.job, self.config = env, cfg, job, config
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -93,7 +93,8 @@ class Runtime:
                                    launcher=launcher_name(self.env), code_revision=code_revision()))
         self.events.record("start", None, size=self.world.size, elastic=self.env.elastic,
                            engine=engine.name, fast_recovery=bool(self.recovery),
-                           process_created=psutil.Process().create_time(), init_started=started)
+                           process_created=process_started(), runtime_created=self.created,
+                           init_started=started)
         self.sampler = HostSampler(self.sink, self.run_id, self.world.host, self.world.slot)
         if self.world.is_root and not self.env.replacing:   # once a run: 0.2 s of a recovery
             self.events.record("calibration", None, memcpy_bytes_per_s=memcpy_bandwidth())
