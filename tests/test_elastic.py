@@ -145,6 +145,18 @@ def test_added_host_joins_with_committed_state(add_run):
     assert len(finals) == 3 and len({f["param_hash"] for f in finals}) == 1
 
 
+def test_every_worker_registers_with_the_driver_while_it_initialises(add_run):
+    """Each worker, the added ones included, registered its notification service before
+    training (elastic/runtime/registration.py), and the driver's notices reached rank 0
+    through it: every addition and removal above was noticed."""
+    _, report = add_run
+    ready = kinds(report, "ready")
+    assert len(ready) == len(kinds(report, "start")) >= 4    # 2 first workers, 2 added
+    assert all(isinstance(e["registration_s"], float) and 0 <= e["registration_s"] < 10
+               for e in ready)
+    assert [c["kind"] for c in report["changes"]] == ["host_added", "host_removed", "host_added"]
+
+
 def test_a_host_removed_then_added_again_joins_at_once(add_run):
     """Horovod aborts the removed host's worker; its agent used to replace it as if Gloo
     had aborted it, the replacement asked the driver for a place and was counted in the

@@ -29,6 +29,7 @@ from .env import Env
 from .checkpoint import CheckpointError
 from .checkpoint_writer import PendingWrite
 from .events import EventLog, Progress
+from .registration import EarlyRegistration
 from .reporting import HostSampler, StepReporter, memcpy_bandwidth, process_started
 from .runs import (code_revision, launcher_name, mark_checkpoint_folder, new_run_id, open_sink,
                    resumed_run_id, run_row)
@@ -75,7 +76,8 @@ class Runtime:
     # -- start and end -------------------------------------------------------------------
     def init(self, engine) -> None:
         """Initialise the world the engine runs on (Horovod, MPI or one process)."""
-        self.engine = engine
+        self.engine = engine   # the driver's registration overlaps hvd.init (registration.py)
+        self.registration = EarlyRegistration() if engine.uses_horovod and self.env.elastic else None
         if self.recovery:
             self.recovery.before_init()
         started = time.time()
@@ -135,7 +137,7 @@ class Runtime:
     # -- the loop ------------------------------------------------------------------------
     def run(self, state) -> None:
         """Train until ``train.steps``, surviving resets under horovodrun elastic."""
-        self.events.record("ready", state.step)
+        self.events.record("ready", state.step, registration_s=self.registration and self.registration.wait())
         if self.env.elastic:
             try:
                 self.hvd.elastic.run(self.loop)(state)
@@ -213,11 +215,9 @@ class Runtime:
         """Custom scalars from user code on any rank: one ``metric`` row each."""
         now = time.time()
         for name, value in values.items():
-            if torch.is_tensor(value):
-                value = value.item()
             self.sink.emit({"type": "metric", "run_id": self.run_id, "name": name, "step": step,
-                            "value": float(value), "rank": self.world.rank, "host": self.world.host,
-                            "wall_time": now})
+                            "value": float(value.item() if torch.is_tensor(value) else value),
+                            "rank": self.world.rank, "host": self.world.host, "wall_time": now})
 
     # -- commits and checkpoints ---------------------------------------------------------
     def commit(self, state, reason: str, loss: float | None = None, checkpoint: bool = False) -> None:
