@@ -49,16 +49,15 @@ def test_an_exit_from_a_thread_is_not_a_sigkill():
     """A worker restarting in place leaves by os._exit from a watcher thread: its agent
     must see an exit with its code, never a SIGKILL (it would refill the slot)."""
     busy = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(3)]
-    children = []
+    child = subprocess.Popen([sys.executable, "-c", STARVED_EXIT])
     try:
-        children.append(child := subprocess.Popen([sys.executable, "-c", STARVED_EXIT]))
         polls = 0
         while child.poll() is None:   # (the old check said yes here in 3 runs of 3)
             assert not sigkilled(child.pid), f"after {polls} polls"
             polls += 1
         assert child.returncode == 7 and polls > 100
     finally:
-        for proc in busy + children:
+        for proc in busy + [child]:
             proc.kill()
             proc.wait()
 
