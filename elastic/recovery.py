@@ -24,9 +24,8 @@ place: one still in the sync, or in the training step's collective, :data:`GLOO_
 after the sever, or one whose ``hvd.shutdown`` (which joins that loop) has not returned
 by then.
 
-The runtime calls :meth:`FastRecovery.before_init` before every (re)initialisation,
-:meth:`FastRecovery.adopt` once its training state exists, :meth:`FastRecovery.enter` on
-(re)entering its training loop, and :meth:`FastRecovery.close` at the end.
+The runtime calls ``before_init`` before every (re)initialisation, ``adopt`` once its
+training state exists, ``enter`` on (re)entering its training loop, ``close`` at the end.
 """
 from __future__ import annotations
 
@@ -90,8 +89,9 @@ class FastRecovery:
     what a death means in each phase (training, or re-forming the world)."""
 
     def __init__(self, events, heartbeat: Heartbeat, stall_after: float = 5.0,
-                 dies_recovering=lambda step: "") -> None:
+                 dies_recovering=lambda step: "", committed_step=lambda: None) -> None:
         self.events, self.heartbeat, self.stall_after = events, heartbeat, stall_after
+        self.committed_step = committed_step     # the step of the commit a restore goes back to
         self.dies_recovering = dies_recovering   # a planned fault (faults.py): step -> when
         self.baseline = ConnectionBaseline()
         self.lifeline: Lifeline | None = None
@@ -172,8 +172,7 @@ class FastRecovery:
         if self.lifeline is not None:   # peers still forming must not take this for a death
             self.lifeline.close(goodbye=True)
             # Forgotten now: a death while the next one is built (its allgather raises) would
-            # otherwise leave the closed one here, and closing it again writes to fds that
-            # may by then be another socket's.
+            # leave the closed one here, and closing it again writes to another socket's fds.
             self.lifeline = None
         self.gloo = self.baseline.gloo_connections(exclude_fds=set())
         self._building = True   # from here the watch severs self.gloo, not the lifelines' own
@@ -247,8 +246,9 @@ class FastRecovery:
                 return
         restart.await_assignment()    # its replacement waits for the world forming next
         self._put_handoff()
-        if stuck():
-            self._restart_in_place("the step's collective still waited on Gloo after the sever")
+        if stuck():   # its step is abandoned as a failed one is: it restores the last commit
+            self._restart_in_place("the step's collective still waited on Gloo after the sever",
+                                   abandoned_step=self.heartbeat.step)
 
     def _on_stall(self, kind: str, rank: int, host: str, **detail) -> None:
         self.events.record(kind, self.heartbeat.step, stalled_rank=rank, target=host, **detail)
@@ -328,16 +328,19 @@ class FastRecovery:
         made = len(self.baseline.gloo_connections(exclude_fds=set()))
         return made >= max(1, per_peer * (size - 1) - 1)
 
-    def _restart_in_place(self, reason: str) -> None:
+    def _restart_in_place(self, reason: str, abandoned_step: int | None = None) -> None:
         if self._handoff is None:
             return   # no agent, or state that cannot be handed over: Horovod's timeout it is
         # The watch and the main thread (init_failed) can both see a reason at once: the
         # second waits here for the first one's exit, so the replacement is asked for once.
         self._leaving.acquire()   # released by nobody: this process is ending
+        if abandoned_step is not None:   # the restore a failed step records (Runtime.restored)
+            step = self.committed_step()
+            self.events.record("restore", step, from_step=abandoned_step, in_place=True,
+                               steps_redone=None if step is None else abandoned_step - step)
         self._handoff.describe(restart.current_slot(), placed=restart.assigned())
         written = self._handoff.written()
-        self.events.record("restart_in_place", self.heartbeat.step, reason=reason,
-                           handoff=written)
+        self.events.record("restart_in_place", self.heartbeat.step, reason=reason, handoff=written)
         leave_now(self.events, restart.RESTART_EXIT)
 
     def _take_place(self) -> None:

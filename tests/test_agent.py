@@ -131,6 +131,11 @@ def test_a_survivor_whose_step_collective_outlives_the_sever_is_replaced(agent, 
     (restarted,) = [e for e in read_events(tmp_path) if e["kind"] == "restart_in_place"]
     assert (restarted["reason"], restarted["handoff"]) == \
         ("the step's collective still waited on Gloo after the sever", True)
+    # Its step is abandoned as a failed step is: it records the restore of the last commit
+    # (the recovery table counts the steps redone from it), just before it leaves.
+    (restore,) = [e for e in read_events(tmp_path) if e["kind"] == "restore"]
+    assert (restore["step"], restore["from_step"], restore["steps_redone"]) == (7, 9, 2)
+    assert restore["in_place"] and restore["wall_time"] <= restarted["wall_time"]
     died = float(out.split("peer died at ")[1].split()[0])
     assert GLOO_STUCK_S <= restarted["wall_time"] - died < GLOO_STUCK_S + 3
 

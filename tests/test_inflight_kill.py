@@ -80,7 +80,11 @@ def test_survivors_failed_with_buckets_in_flight(inflight):
     kill, report, _ = inflight
     print(f"killed {VICTIM} while sending in the step after {kill['after_step']}")
     failed = [e for e in kinds(report, "reduce_failed") if e["host"] != VICTIM]
-    assert {e["host"] for e in failed} == {"127.0.0.2", "127.0.0.3"}
+    # A survivor whose reduction outlived the sever (Horovod's loop waiting on a connection
+    # Gloo had closed: CI saw one of the two) is restarted in place from the step instead,
+    # recording its restore as it leaves; at least one survivor's step raised.
+    in_place = {e["host"] for e in kinds(report, "restore") if e.get("in_place")}
+    assert failed and {e["host"] for e in failed} | in_place == {"127.0.0.2", "127.0.0.3"}
     for event in failed:
         print(f"{event['host']}: step {event['step']}, {event['launched']} of {event['buckets']} "
               f"buckets sent, {event['summed']} summed")

@@ -59,7 +59,7 @@ class Runtime:
                                run_id=self.run_id)
         self.heartbeat = Heartbeat()
         self.recovery = FastRecovery(
-            self.events, self.heartbeat, cfg.stall_after,
+            self.events, self.heartbeat, cfg.stall_after, committed_step=lambda: self.policy.last_commit_step,
             dies_recovering=lambda step: env.faults.dies_recovering(env.host, step)) \
             if env.elastic and env.fast_recovery else None
         self.policy = CommitPolicy(fixed=cfg.fixed_commit_every)

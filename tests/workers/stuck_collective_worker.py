@@ -28,7 +28,7 @@ from elastic.runtime.events import EventLog  # noqa: E402
 run_dir = sys.argv[sys.argv.index("--run-dir") + 1]
 events = EventLog(run_dir, os.environ["HOROVOD_HOSTNAME"], 0, run_id="stuck")
 heartbeat = Heartbeat()
-recovery = FastRecovery(events, heartbeat)
+recovery = FastRecovery(events, heartbeat, committed_step=lambda: Committed.step)
 recovery.before_init()
 hvd.init()
 recovery.adopt(Committed())
@@ -36,7 +36,7 @@ recovery.initialised()
 recovery.enter(SimpleNamespace(rank=0, size=1, host=os.environ["HOROVOD_HOSTNAME"]),
                lambda obj, name: hvd.allgather_object(obj, name=name))
 recovery.gloo = []    # as in the chaos run's case: Gloo had closed what it waits on
-with heartbeat.collective(Committed()):       # the step: ...
+with heartbeat.collective(SimpleNamespace(step=Committed.step + 2)):   # two steps on: ...
     print("peer died at", time.time(), flush=True)
     recovery._on_death(1, "peer", "eof", time.time())   # what its lifeline calls
     time.sleep(60)                               # ... whose collective never raises
