@@ -73,6 +73,26 @@ def test_a_shim_waits_for_its_agent_while_the_agents_warm_up(tmp_path):
     assert gone.wait(timeout=120) == 0 and (tmp_path / "cold" / "result.json").exists()
 
 
+def wakeups(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return sum(int(line.split()[1]) for line in status if "ctxt_switches" in line)
+
+
+def test_an_agent_without_workers_sleeps():
+    """A chaos run keeps an agent per host it may add (fifty here): polling every 10 ms for
+    a SIGKILLed worker it does not have, they took 0.3 of the 2 cores from training."""
+    host = f"idle-agent-{time.monotonic_ns()}"
+    proc = subprocess.Popen([PYTHON, "-m", "elastic.launch.agent", "--host", host], cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert "ready" in proc.stdout.readline()
+        before = wakeups(proc.pid)
+        time.sleep(2.0)
+        assert wakeups(proc.pid) - before <= 10   # polling: 200
+    finally:
+        kill_tree(proc.pid)
+
+
 def test_forked_worker_trains_and_exits_cleanly(agent, tmp_path):
     proc = shim(agent, tmp_path)
     assert proc.wait(timeout=120) == 0
