@@ -10,12 +10,13 @@ Every host lost is replaced by a new one (added back) a few seconds later. Print
 fault kind the time from the fault to the first step done in the new world (p50, p95,
 max; for a pair also from its second kill; for kills also from the instant the victim's
 last thread exited, before which no peer can see it die), where the median and slowest
-went (victim exited, detected, reset, synced, first step, restarts in place), steps redone, samples skipped or repeated (Regatta's workers record the ids they
-consume; the stock loop samples at random, so it has none to check), final accuracy, and
+went (victim exited, detected, reset, synced, first step, restarts in place), steps
+redone, samples skipped or repeated (Regatta's workers record the ids they consume; the
+stock loop samples at random, so it has none to check), final accuracy, and
 goodput: useful steps per second over the run divided by the same engine's fault-free
-steps per second (measured first, in the same conditions), split in two by the run's pace
-away from faults (commits 2 s clear of every fault, addition and recovery): what the faults
-cost, and what the rest of the run (its other processes) cost the pace.
+steps per second (fault-free runs just before and just after, averaged), split in two by
+the run's pace away from faults (commits 2 s clear of every fault, addition and recovery):
+what the faults cost, and what the rest of the run (its other processes) cost the pace.
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ ENGINES = {"regatta": ["bench/chaos_worker.py"],
                      "--cold-workers"]}
 KINDS = ("kill", "kill_rank0", "double", "during_recovery", "vanish")
 ADD_BACK_S = 4.0
+CALM_STEPS = 2400   # about a minute fault-free; 600 steps (12 s) put one run's goodput at 1.05
 
 
 def launch(engine: str, args: list[str], run_dir: Path, timeout: float) -> dict:
@@ -219,18 +221,22 @@ def main() -> None:
     engines = args.engines.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.keep or tmp)
-        quiet = {e: launch(e, ["--hosts", str(args.hosts), "--steps", "600"], work / f"calm-{e}", 900)
-                 for e in engines}
-        rates = {e: (lambda s, t: s / t)(*pace(r)) for e, r in quiet.items()}
-        for engine in engines:
-            print(f"{engine}: fault-free {rates[engine]:.1f} steps/s", flush=True)
+        def calm(engine: str, when: str) -> float:
+            report = launch(engine, ["--hosts", str(args.hosts), "--steps", str(CALM_STEPS)],
+                            work / f"calm-{when}-{engine}", 900)
+            rate = (lambda s, t: s / t)(*pace(report))
+            print(f"{engine}: fault-free {rate:.1f} steps/s ({when})", flush=True)
+            return rate
+        before = {e: calm(e, "before") for e in engines}
         results = {}
         for engine in engines:   # the same fault plan for both, in steps of each one's pace
-            options, struck, steps = plan(args.minutes, args.every, rates[engine], args.hosts,
+            options, struck, steps = plan(args.minutes, args.every, before[engine], args.hosts,
                                           random.Random(args.seed))
             report = launch(engine, options + ["--seed", str(args.seed)], work / f"chaos-{engine}",
                             args.minutes * 60 * 6 + 300)
             results[engine] = (report, struck, steps, work / f"chaos-{engine}")
+        # the machine's pace drifts by 10-20 % over minutes: fault-free on both sides
+        rates = {e: (before[e] + calm(e, "after")) / 2 for e in engines}
         print(f"\nload average after: {open('/proc/loadavg').read().strip()}")
         print(f"one fault every {args.every:.0f} s on average, {args.minutes:.1f} min, "
               f"{args.hosts} hosts (each lost host replaced)\n")
@@ -258,9 +264,9 @@ def main() -> None:
                   f"{'n/a (random sampling)' if errors is None else '%d/%d' % errors}")
             quiet = quiet_pace(report)
             if quiet:
-                print(f"{engine:8s} away from faults {quiet:.1f} steps/s ({quiet / rates[engine]:.3f} "
-                      f"of fault-free); at that pace the faults and additions cost "
-                      f"{seconds - useful / quiet:.1f} s of {seconds:.1f}")
+                print(f"{engine:8s} away from faults {quiet:.1f} steps/s "
+                      f"({quiet / rates[engine]:.3f} of fault-free); at that pace the faults "
+                      f"and additions cost {seconds - useful / quiet:.1f} s of {seconds:.1f}")
 
 
 if __name__ == "__main__":
