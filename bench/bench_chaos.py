@@ -1,7 +1,8 @@
 """Chaos: minutes of faults from outside the training processes, at random instants, for
 Regatta and for a stock Horovod elastic loop alike, on simulated hosts in namespaces.
 
-    .venv/bin/python bench/bench_chaos.py [--minutes 3] [--every 20] [--hosts 4] [--seed 0] [--keep DIR]
+    .venv/bin/python bench/bench_chaos.py [--minutes 3] [--every 20] [--hosts 4] [--seed 0]
+        [--kinds kill,kill_rank0,double,during_recovery,vanish] [--engines regatta,stock] [--keep DIR]
 
 Faults, one every EVERY seconds on average, of these kinds in turn (random order): a
 SIGKILL of a training process (any rank), of rank 0's, two kills 50-300 ms apart, a kill
@@ -109,11 +110,11 @@ def stopped_seconds(report: dict) -> float:
 
 
 def plan(minutes: float, every: float, steps_per_s: float, hosts: int,
-         rng: random.Random) -> tuple[list[str], list[str], int]:
+         rng: random.Random, chosen: tuple[str, ...] = KINDS) -> tuple[list[str], list[str], int]:
     """The regatta-local options of one chaos run, the kind of each struck fault in order,
     and the number of steps."""
     alive, next_host, args, struck = [host_name(i) for i in range(hosts)], hosts, [], []
-    kinds = [KINDS[i % len(KINDS)] for i in range(int(minutes * 60 / every))]
+    kinds = [chosen[i % len(chosen)] for i in range(int(minutes * 60 / every))]
     rng.shuffle(kinds)
     for n, kind in enumerate(kinds):
         step = int(((n + 1) * every + rng.uniform(-every / 4, every / 4)) * steps_per_s)
@@ -258,7 +259,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engines", default="regatta,stock")
     parser.add_argument("--keep", metavar="DIR", help="keep the runs (reports, logs) in DIR")
+    parser.add_argument("--kinds", default=",".join(KINDS),
+                        help="the fault kinds to strike, in turn (default: all; "
+                             "kill,kill_rank0 for one kill every EVERY seconds)")
     args = parser.parse_args()
+    kinds = tuple(args.kinds.split(","))
+    if not kinds or not set(kinds) <= set(KINDS):
+        parser.error(f"--kinds: each of {', '.join(KINDS)}, got {args.kinds!r}")
     print(f"load average before: {open('/proc/loadavg').read().strip()}", flush=True)
     engines = args.engines.split(",")
     with tempfile.TemporaryDirectory() as tmp:
@@ -273,7 +280,7 @@ def main() -> None:
         results = {}
         for engine in engines:   # the same fault plan for both, in steps of each one's pace
             options, struck, steps = plan(args.minutes, args.every, before[engine], args.hosts,
-                                          random.Random(args.seed))
+                                          random.Random(args.seed), kinds)
             report = launch(engine, options + ["--seed", str(args.seed)], work / f"chaos-{engine}",
                             args.minutes * 60 * 6 + 300)
             results[engine] = (report, struck, steps, work / f"chaos-{engine}")
