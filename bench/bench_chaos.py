@@ -307,5 +307,6 @@ def main() -> None:
         for engine, (report, struck, steps, run_dir) in results.items():
             print_outcome(engine, report, struck, steps, run_dir, rates[engine])
 
+
 if __name__ == "__main__":
     main()
