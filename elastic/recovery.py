@@ -234,11 +234,9 @@ class FastRecovery:
                              args=(restart.rendezvous_server(), f"{host} timed out")).start()
 
     def _watch_sever(self, episode: int) -> None:
-        """A severed collective raises in milliseconds (the heartbeat stops waiting). One
-        still waiting STEP_STUCK_S later is Horovod's background loop in a Gloo receive
-        posted after Gloo had closed that connection, as in the sync: it would wait out
-        Gloo's timeout (30 s in a chaos run, every Gloo connection severed). Restart in
-        place with the last commit."""
+        """A severed collective raises in milliseconds. One still waiting STEP_STUCK_S later
+        is Horovod's background loop in a Gloo receive posted after Gloo had closed that
+        connection, as in the sync: it would wait out Gloo's 30 s. Restart in place."""
         stuck = lambda: self._episode == episode and self.heartbeat.waiting  # noqa: E731
         deadline = time.time() + STEP_STUCK_S
         while time.time() < deadline:
