@@ -125,14 +125,16 @@ class Agent:
         self.children: dict[int, Child] = {}
         self.refill_window = refill_window
         self.last_failure = float("-inf")   # monotonic time of this host's last failed worker
+        self.unreaped: set[int] = set()     # killed workers ended here, not yet reaped
 
     def serve_forever(self) -> None:
         while True:
             sent = {c.lifelines.channel: c for c in self.children.values()}
             watched = [self.listener, *(c.conn for c in self.children.values()), *sent]
-            # A worker's SIGKILL is seen by polling (_end_killed); an agent without one
+            # A worker's SIGKILL and its exit are seen by polling; an agent without either
             # sleeps: fifty idle agents polling took 0.3 of 2 cores from a chaos run.
-            readable, _, _ = select.select(watched, [], [], 0.01 if self.children else 0.5)
+            busy = self.children or self.unreaped
+            readable, _, _ = select.select(watched, [], [], 0.01 if busy else 0.5)
             for sock in readable:
                 if sock is self.listener:
                     conn, _ = self.listener.accept()
@@ -152,6 +154,7 @@ class Agent:
         is reaped later, with nothing left to do."""
         for pid in [pid for pid in self.children if sigkilled(pid)]:
             child = self.children.pop(pid)
+            self.unreaped.add(pid)
             child.lifelines.shut()
             child.lifelines.close()
             self._ended(pid, child, -signal.SIGKILL)
@@ -208,6 +211,7 @@ class Agent:
             if pid == 0:
                 return
             child = self.children.pop(pid, None)
+            self.unreaped.discard(pid)
             code = os.waitstatus_to_exitcode(status)
             tell({"exit": pid, "code": code})
             if child is not None:
