@@ -70,6 +70,12 @@ if ! $PY -c "import horovod.torch" 2>/dev/null; then
     sed -i 's/string(REPLACE "-O2" "-O3" CMAKE_\(C\|CXX\)_FLAGS_RELWITHDEBINFO/string(REPLACE "-O2 -g" "-O3" CMAKE_\1_FLAGS_RELWITHDEBINFO/' \
       "$src/CMakeLists.txt"
     [ "$(grep -c 'REPLACE "-O2 -g" "-O3"' "$src/CMakeLists.txt")" = 2 ]
+    # Newer toolchains (a newer GCC and CMake 4, seen on a CUDA 13 machine): Horovod's headers
+    # leave out standard includes that older libstdc++ pulled in, and CMake 4 refuses
+    # third_party/gloo's 2.8.12 minimum unless told which policies to assume.
+    sed -i 's|#include <unordered_map>|#include <string>\n#include <unordered_map>|' "$src/horovod/common/group_table.h"
+    export CXXFLAGS="${CXXFLAGS:-} -include cstdint -include string -include stdexcept -include memory -include limits -include algorithm -include functional" \
+      CMAKE_POLICY_VERSION_MINIMUM=3.5
     mkdir -p "$WHEELDIR"
     # Build output goes to a log; a dot a minute shows it is alive.
     ( while sleep 60; do printf '.'; done ) & ticker=$!
