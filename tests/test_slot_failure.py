@@ -75,8 +75,16 @@ def test_a_second_failure_within_the_window_excludes_the_host_and_it_returns(slo
 def test_slot_failures_are_events_in_the_store(slots_run):
     tmp, report = slots_run
     events = Store(f"sqlite:///{tmp / 'm.db'}").events(report["run_id"], kinds=["slot_failed"])
-    assert [(e["detail"]["target"], e["detail"]["slot"], e["detail"]["code"], e["detail"]["action"])
-            for e in events] == [(HOST, 1, -9, "refilled"), (HOST, 0, -9, "host_excluded")]
+    failed = [(e["detail"]["target"], e["detail"]["slot"], e["detail"]["code"], e["detail"]["action"])
+              for e in events]
+    assert [f for f in failed if f[0] == HOST] == [(HOST, 1, -9, "refilled"), (HOST, 0, -9, "host_excluded")]
+    # Seen once (a fresh clone's suite, 2026-12-04): a survivor on the other host aborted
+    # in Gloo's own thread during the first recovery ("op.preamble.length <= op.nbytes":
+    # likely a failing peer's Horovod sending a message of another protocol step); recorded
+    # as its own slot's failure (SIGABRT) and refilled. At most that, never an exclusion:
+    collateral = [f for f in failed if f[0] != HOST]
+    print("collateral slot failures:", collateral)
+    assert len(collateral) <= 1 and all(f[2] == -6 and f[3] == "refilled" for f in collateral)
 
 
 @pytest.mark.parametrize("code, siblings, since, expected", [

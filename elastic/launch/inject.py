@@ -169,12 +169,15 @@ class Injector:
                 self._later(fault["seconds"], self._heal, host, step)
 
     def _signal(self, pid: int, sig: int, name: str, host: str, slot: int, step: int) -> None:
+        # Stamped before the signal: this thread may be descheduled right after it, while
+        # the victim's agent and peers already record what followed (its slot_failed)
+        sent = time.time()
         try:
             os.kill(pid, sig)
         except ProcessLookupError:
             self._missed(name, host, slot, pid, step)
             return
-        self._record(name, host, slot, pid, step)
+        self._record(name, host, slot, pid, step, wall_time=sent)
         if sig == signal.SIGKILL:
             threading.Thread(target=self._watch_death, args=(pid, host, step),
                              name="regatta-victim-watch", daemon=True).start()
@@ -214,8 +217,9 @@ class Injector:
         self.network.link(host, up=True)
         self._record("heal", host, None, None, step)
 
-    def _record(self, fault: str, host: str, slot, pid, step: int, **detail) -> None:
-        event = self.log.record("fault_injected", step, fault=fault, target=host, slot=slot,
+    def _record(self, fault: str, host: str, slot, pid, step: int, wall_time: float | None = None,
+                **detail) -> None:
+        event = self.log.record("fault_injected", step, wall_time, fault=fault, target=host, slot=slot,
                                 pid=pid, **detail)
         self.struck.append(event)
 
