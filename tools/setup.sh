@@ -71,9 +71,9 @@ if ! $PY -c "import horovod.torch" 2>/dev/null; then
       "$src/CMakeLists.txt"
     [ "$(grep -c 'REPLACE "-O2 -g" "-O3"' "$src/CMakeLists.txt")" = 2 ]
     # Newer toolchains (a newer GCC and CMake 4, seen on a CUDA 13 machine): Horovod's headers
-    # leave out standard includes that older libstdc++ pulled in, and CMake 4 refuses
+    # leave out standard includes that older libstdc++ pulled in (<string> in group_table.h,
+    # <stdexcept> in common.h), so they are forced into every file; CMake 4 refuses
     # third_party/gloo's 2.8.12 minimum unless told which policies to assume.
-    sed -i 's|#include <unordered_map>|#include <string>\n#include <unordered_map>|' "$src/horovod/common/group_table.h"
     export CXXFLAGS="${CXXFLAGS:-} -include cstdint -include string -include stdexcept -include memory -include limits -include algorithm -include functional" \
       CMAKE_POLICY_VERSION_MINIMUM=3.5
     mkdir -p "$WHEELDIR"
