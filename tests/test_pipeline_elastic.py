@@ -15,7 +15,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from conftest import committed, kinds, regatta_local
+from conftest import committed, kinds, regatta_local, whole_model_digest
 from outside import LocalRun, held_at, pair_to_kill
 from elastic.pipeline.shards import exchange, model_digest, tensor_digests
 from elastic.runtime.shards import buddies, kept_by
@@ -263,6 +263,10 @@ def test_two_failures_leaving_a_copy_of_every_stage_recover_from_memory(tmp_path
     first = min(e["wall_time"] for e in replans)
     assert {e["param_hash"] for e in synced} == {committed(report, step, first)}
     assert not kinds(report, "state_lost") and not kinds(report, "resume")
+    # The tensors the ranks held make the model the audit's collective hashed (the check
+    # committed() falls back on when a kill cut that collective short everywhere).
+    at_15 = [e for e in kinds(report, "commit") if e["step"] == 15]
+    assert len(at_15) == 4 and whole_model_digest(at_15) == at_15[0]["param_hash"]
 
 
 def test_two_failures_taking_every_copy_of_a_stage_recover_from_disk(tmp_path):

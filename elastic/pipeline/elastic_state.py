@@ -96,7 +96,11 @@ class ElasticPipeline(RuntimeState):
                     held[tuple(rng)] = shard
         self.gens = [{"step": run.step, "epoch": run.cursor.epoch, "consumed": run.cursor.consumed,
                       "extent": run.plan.stages[-1][1], "held": held}] + self.gens[:1]
-        return {"held": [list(r) for r in held], "held_bytes": shard_bytes(held)}
+        detail = {"held": [list(r) for r in held], "held_bytes": shard_bytes(held)}
+        if self.runtime.env.audit:  # what this rank holds, known without a collective
+            detail["digests"] = {name: digest for shard in held.values()
+                                 for name, digest in tensor_digests(shard["model"]).items()}
+        return detail
 
     def step_done(self) -> None:
         """Every rank got past its last commit: the one before it is not needed."""

@@ -228,8 +228,12 @@ class Runtime:
         self.commits += 1
         if detail.get("durable") and detail.get("path"):   # a fixed world commits to disk
             self._mark_checkpoint()
-        self.events.record("commit", state.step, reason=reason, cost_s=cost, loss=loss,
-                           **detail, **self.audit(state))
+        audit = {}
+        try:
+            audit = self.audit(state)
+        finally:    # a failure cutting the audit's collective short does not unmake the commit
+            self.events.record("commit", state.step, reason=reason, cost_s=cost, loss=loss,
+                               **detail, **audit)
         interval = self.policy.observe_commit(state.step, cost)
         if interval is not None and self.world.is_root:
             p = self.policy
