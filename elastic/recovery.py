@@ -24,6 +24,10 @@ place: one still in the sync :data:`GLOO_STUCK_S` after the sever, or in the tra
 step's collective :data:`STEP_STUCK_S` after it, or one whose ``hvd.shutdown`` (which
 joins that loop) has not returned GLOO_STUCK_S after the re-forming began.
 
+A rank restarted in place says goodbye on its lifelines (its replacement takes the slot:
+no death to its peers), and one already placed in a rendezvous marks it (the rest of that
+rendezvous is replaced too, rather than waiting out Gloo's 30 s for it).
+
 The runtime calls ``before_init`` before every (re)initialisation, ``adopt`` once its
 training state exists, ``enter`` on (re)entering its training loop, ``close`` at the end.
 """
@@ -337,9 +341,21 @@ class FastRecovery:
             step = self.committed_step()
             self.events.record("restore", step, from_step=abandoned_step, in_place=True,
                                steps_redone=None if step is None else abandoned_step - step)
-        self._handoff.describe(restart.current_slot(), placed=restart.assigned())
+        placed = restart.assigned()
+        self._handoff.describe(restart.current_slot(), placed=placed)
         written = self._handoff.written()
-        self.events.record("restart_in_place", self.heartbeat.step, reason=reason, handoff=written)
+        if placed:
+            # The rest of the rendezvous under way would wait out Gloo's 30 s for this rank
+            # (seen: 150 s of such waits in a row); marked, they are replaced at once too.
+            who = f"{os.environ.get('HOROVOD_HOSTNAME')} pid {os.getpid()}"
+            restart.put_mark(restart.rendezvous_server(), f"{who} restarts in place")
+        lifeline = self.lifeline
+        if lifeline is not None:
+            # Its replacement takes the slot: to the peers this is no death, which would start
+            # their watch of a rendezvous this rank's replacement is not slow to join.
+            lifeline.close(goodbye=True)
+        self.events.record("restart_in_place", self.heartbeat.step, reason=reason, handoff=written,
+                           marked=placed)
         leave_now(self.events, restart.RESTART_EXIT)
 
     def _take_place(self) -> None:

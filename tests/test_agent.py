@@ -9,11 +9,16 @@ from pathlib import Path
 
 import pytest
 
+from horovod.runner.http.http_server import KVStoreServer
+
 from conftest import PYTHON, ROOT, kill_tree
 from elastic import restart
 from elastic.launch.agent import WARMING_ENV
+from elastic.lifeline import Lifeline
+from elastic.liveness import Heartbeat
 from elastic.recovery import GLOO_STUCK_S, STEP_STUCK_S
 from elastic.runtime.events import read_events
+from workers.handed_commit import allgather_through
 
 JOB = ["-m", "jobs.digits", "--steps", "30", "--no-progress", "--db", ""]
 
@@ -111,6 +116,7 @@ ABORTS = str(ROOT / "tests" / "workers" / "abort_worker.py")
 TERMS = str(ROOT / "tests" / "workers" / "sigterm_worker.py")
 STUCK = str(ROOT / "tests" / "workers" / "stuck_shutdown_worker.py")
 STUCK_STEP = str(ROOT / "tests" / "workers" / "stuck_collective_worker.py")
+RESTARTING = str(ROOT / "tests" / "workers" / "restarting_peer_worker.py")
 
 
 def test_worker_aborted_while_re_forming_is_replaced_with_its_handoff(agent):
@@ -172,6 +178,61 @@ def test_a_rank_two_threads_restart_at_once_asks_for_one_replacement(agent, tmp_
     assert proc.returncode == 0 and "replacement given [b'commit of step 7']" in out, out
     restarted = [e for e in read_events(tmp_path) if e["kind"] == "restart_in_place"]
     assert [e["reason"] for e in restarted] == ["Horovod's shutdown waited on Gloo for a dead peer"]
+
+
+@pytest.fixture()
+def rendezvous_store():
+    """Horovod's own key-value store, as horovodrun's rendezvous server serves it."""
+    store = KVStoreServer(verbose=0)
+    port = store.start_server()
+    yield ("127.0.0.1", port)
+    store.shutdown_server()
+
+
+def restart_beside_a_peer(agent, tmp_path, store, unplaced: bool):
+    """The worker restarted in place, the test holding the other end of its lifeline:
+    what that end was told (deaths, goodbyes), the worker's output, its restart event."""
+    folder = tmp_path / "exchange"
+    folder.mkdir()
+    proc = shim(agent, tmp_path, job=(RESTARTING,),
+                args=("--exchange", str(folder), "--rendezvous", "%s:%d" % store,
+                      *(["--unplaced"] if unplaced else [])))
+    deaths = []
+    try:
+        peer = Lifeline(1, 2, "test-peer", "127.0.0.1", allgather_through(folder, 1, 2),
+                        Heartbeat(), lambda rank, host, how, when: deaths.append((rank, how)))
+        if not unplaced:
+            assert proc.stdout.readline().strip() == "placed"
+            peer.close()     # a peer dies while the worker is in the rendezvous
+        out, _ = proc.communicate(timeout=90)
+        deadline = time.monotonic() + 5    # what the lifeline's thread read, it has handled
+        while unplaced and not (peer.departed or deaths) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        peer.close()
+    finally:
+        kill_tree(proc.pid)
+    assert proc.returncode == 0 and "replacement given [b'commit of step 7']" in out, out
+    (restarted,) = [e for e in read_events(tmp_path) if e["kind"] == "restart_in_place"]
+    return peer, deaths, restarted
+
+
+def test_a_rank_restarted_before_it_is_placed_is_no_death_to_its_peers(agent, tmp_path, rendezvous_store):
+    """Its replacement takes the slot in the driver's next world. Counted as a death, it
+    started its peers' watch of the rendezvous, which then restarted them in turn while a
+    refilled worker was slow to join (a 150 s stall, test_slot_failure, a loaded machine)."""
+    peer, deaths, restarted = restart_beside_a_peer(agent, tmp_path, rendezvous_store, unplaced=True)
+    assert (peer.departed, deaths) == ({0}, [])
+    assert not restart.marked(rendezvous_store)     # no world is doomed by it
+    assert (restarted["reason"], restarted["marked"]) == \
+        ("Horovod's shutdown waited on Gloo for a dead peer", False)
+
+
+def test_a_rank_restarted_inside_a_rendezvous_marks_it(agent, tmp_path, rendezvous_store):
+    """The rest of that rendezvous would wait out Gloo's 30 s for it; marked, they are
+    replaced too, at once."""
+    _, _, restarted = restart_beside_a_peer(agent, tmp_path, rendezvous_store, unplaced=False)
+    assert restart.marked(rendezvous_store)
+    assert (restarted["reason"], restarted["marked"]) == ("the rendezvous stalled after a peer died", True)
 
 
 def test_worker_left_out_of_the_world_forming_is_not_replaced(agent):
