@@ -91,6 +91,7 @@ class Lifeline:
         self._wake_r, self._wake_w = os.pipe()
         self._selector = selectors.DefaultSelector()
         self._lock = threading.Lock()   # sends come from the watchdog and from close()
+        self._closing = threading.Lock()   # close() comes from the owner and from a restart in place
         listener = socket.create_server((address, 0), backlog=max(size, 16))
         everyone = allgather((address, listener.getsockname()[1], host), "regatta.lifeline")
         self.hosts = [entry[2] for entry in everyone]
@@ -309,9 +310,10 @@ class Lifeline:
     def close(self, goodbye: bool = False) -> None:
         """Stop watching; ``goodbye`` tells the neighbours this rank leaves on purpose.
         Once: a second call must not touch fds that were this one's."""
-        if self._stop.is_set():
-            return
-        self._stop.set()
+        with self._closing:
+            if self._stop.is_set():
+                return
+            self._stop.set()
         os.write(self._wake_w, b"x")
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=2)
