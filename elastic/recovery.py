@@ -39,41 +39,13 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
-
 from . import restart
+from .addresses import host_address
 from .faults import FaultPlan
 from .gloo_sockets import ConnectionBaseline, sever
 from .handoff import Handoff
 from .lifeline import BuildFailed, Lifeline
 from .liveness import Heartbeat
-
-
-def host_address(host: str) -> str:
-    """The address peers reach this host at: the launcher's host name when it is one of
-    this machine's addresses (simulated hosts), else the Gloo interface's IPv4."""
-    local = {a.address: nic for nic, addrs in psutil.net_if_addrs().items() for a in addrs
-             if a.family == socket.AF_INET}
-    try:
-        resolved = socket.gethostbyname(host)
-    except OSError:
-        resolved = ""
-    if resolved in local:
-        return resolved
-    iface = os.environ.get("HOROVOD_GLOO_IFACE", "")
-    return next((a for a, nic in local.items() if nic == iface), resolved or "127.0.0.1")
-
-
-def driver_reachable(timeout: float = 0.3) -> bool:
-    """Whether horovodrun's rendezvous server answers (always, outside elastic mode)."""
-    server = restart.rendezvous_server()
-    if server is None:
-        return True
-    try:
-        socket.create_connection(server, timeout=timeout).close()
-        return True
-    except OSError:
-        return False
 
 
 RENDEZVOUS_GRACE_S = 1.0   # a rendezvous of live workers takes a fraction of this
@@ -212,7 +184,7 @@ class FastRecovery:
 
     # -- deaths and stalls ------------------------------------------------------------------
     def _on_death(self, rank: int, host: str, how: str, when: float) -> None:
-        if how == "timeout" and not driver_reachable():
+        if how == "timeout" and not restart.driver_reachable():
             # Every peer falls silent at once for a rank whose own link is down: it is
             # the one cut off. Leaving lets the driver count it failed now, not when its
             # re-initialisation gives up on the driver many seconds later.

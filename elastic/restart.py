@@ -25,6 +25,7 @@ import functools
 import http.client
 import json
 import os
+import socket
 import tempfile
 from pathlib import Path
 
@@ -57,6 +58,18 @@ def _request(server: tuple[str, int], method: str, path: str, body: bytes | None
         return response.status, response.read()
     finally:
         conn.close()
+
+
+def driver_reachable(timeout: float = 0.3) -> bool:
+    """Whether horovodrun's rendezvous server answers (always, outside elastic mode)."""
+    server = rendezvous_server()
+    if server is None:
+        return True
+    try:
+        socket.create_connection(server, timeout=timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 def put_mark(server: tuple[str, int] | None, who: str) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch.distributed as dist
 from horovod.common.exceptions import HorovodInternalError
 
+from elastic.addresses import host_address
 from elastic.data.sampler import Cursor
 from elastic.runtime import checkpoint as saving
 from elastic.runtime.shards import buddies, cover, covering_step, kept_by
@@ -218,7 +219,7 @@ class ElasticPipeline(RuntimeState):
 
     def _build(self, world, plan: Plan, pieces, position, hosts: list[str], from_disk: bool) -> None:
         self.leave_world()
-        mine = f"tcp://{_address(world.host)}:{free_port()}" if world.is_root else None
+        mine = f"tcp://{host_address(world.host)}:{free_port()}" if world.is_root else None
         init = self.hvd.broadcast_object(mine, root_rank=0, name="regatta.pipe.init_method")
         groups = [[r * plan.pp + s for r in range(plan.dp)] for s in range(plan.pp)]
         transport = GlooTransport(world.rank, world.size, init, groups, world.rank % plan.pp,
@@ -241,8 +242,3 @@ class ElasticPipeline(RuntimeState):
                                        cost_s=time.perf_counter() - started,
                                        from_memory=pieces is not None)
         self.last_plan = new
-
-
-def _address(host: str) -> str:
-    from elastic.recovery import host_address   # reachable from other namespaces too
-    return host_address(host)

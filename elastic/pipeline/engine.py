@@ -16,6 +16,7 @@ from contextlib import nullcontext
 
 import torch
 
+from elastic.addresses import host_address
 from elastic.config import ConfigError
 from elastic.runtime.checkpoint import parameter_hash
 from elastic.runtime.device import choose_device
@@ -136,7 +137,6 @@ def make_transport(kind: str, world, stage_groups: list[list[int]], my_group: in
         return MpiTransport(dp_color=my_group, dp_key=world.rank, cuda_aware=env.mpi_cuda_aware)
     init = env.pipe_init
     if not init:
-        from elastic.recovery import host_address   # reachable from other namespaces too
         mine = f"tcp://{host_address(world.host)}:{free_port()}" if world.is_root else None
         init = collectives.broadcast_object(mine, "regatta.pipe.init_method")
     return GlooTransport(world.rank, world.size, init, stage_groups, my_group)
