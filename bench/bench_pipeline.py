@@ -7,7 +7,10 @@ Starts ``mpirun -np 2`` on itself (2 stages, one rank each) and prints:
 * measured bubble fraction (1 - busy/elapsed over back-to-back steps, mean of both
   stages) against the ideal (p-1)/(m+p-1) for p = 2 and m = 1, 2, 4, 8, under GPipe and
   1F1B, with each rank's CPU time per busy second (below 1: it was descheduled while
-  computing, so the two stages' work did not overlap as it should). The model is a stack
+  computing, so the two stages' work did not overlap as it should). Beside it the bubble
+  the same steps would have had with free messages (each forward's and backward's measured
+  time replayed through the schedule): the gap to the measured one is what the transport
+  costs, the gap to the ideal what unequal or varying compute times cost. The model is a stack
   of equal Linear+Tanh layers cut in two equal halves, so the stages are balanced as the
   formula assumes; the global batch stays fixed and is split into m microbatches.
 * peak autograd-saved activation bytes held on a stage, 1F1B / GPipe (ideal at stage 0:
@@ -66,16 +69,19 @@ def schedule_case(transport, grid, module, opts, schedule: str, m: int) -> dict:
     # last stage waits for stage 0 to drain its backwards) shows up as waiting at the
     # start of the next, so busy / elapsed over many steps is each stage's true share.
     busy, peak, started, cpu = 0.0, 0, time.perf_counter(), time.process_time()
+    compute = []
     for _ in range(opts.steps):
         module.zero_grad(set_to_none=True)
         stats = run()
         busy += stats.busy_time
         peak = max(peak, stats.peak_activation_bytes)
+        compute.append(stats.compute_times)
     elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
     transport.barrier()
     # cpu / busy < 1: the rank was descheduled while computing (other load on the cores),
     # which stretches busy phases that should overlap and inflates the bubble.
-    return {"bubble": 1 - busy / elapsed, "peak": peak, "cpu_per_busy": cpu / busy}
+    return {"bubble": 1 - busy / elapsed, "peak": peak, "cpu_per_busy": cpu / busy,
+            "compute": compute}
 
 
 def ping(transport, peer: int, rank: int, tensor, repeats: int = 10) -> float:
@@ -138,18 +144,35 @@ def worker(opts) -> None:
 
 
 # -- launcher side ----------------------------------------------------------------------------
+def replayed_bubble(cases: list[dict], schedule: str, m: int) -> float:
+    """The bubble of the same steps with each stage's measured compute times and free
+    messages (schedule.simulate): what the schedule and the compute times alone make."""
+    from elastic.pipeline.schedule import make_schedule, simulate
+    lists = [make_schedule(schedule, stage, len(cases), m) for stage in range(len(cases))]
+    busy = span = 0.0
+    for step in zip(*(case["compute"] for case in cases)):
+        span += max(simulate(lists, durations=list(step))["finish"])
+        busy += statistics.mean(sum(times) for times in step)
+    return 1 - busy / span
+
+
 def report(ranks: list[dict]) -> None:
     p = 2
-    print(f"{'schedule':8} {'m':>2} {'bubble':>7} {'ideal':>6} {'ratio':>6}   peak activations"
-          f"   cpu/busy")
+    print(f"{'schedule':8} {'m':>2} {'bubble':>7} {'ideal':>6} {'ratio':>6}   {'replayed':>8} "
+          f"{'ratio':>6}   peak activations   cpu/busy")
     for schedule in ("gpipe", "1f1b"):
         for m in MICROBATCHES:
-            measured = statistics.mean(r["schedules"][f"{schedule}:{m}"]["bubble"] for r in ranks)
+            cases = [r["schedules"][f"{schedule}:{m}"] for r in ranks]
+            measured = statistics.mean(case["bubble"] for case in cases)
+            replayed = replayed_bubble(cases, schedule, m)
             ideal = (p - 1) / (m + p - 1)
-            peak = max(r["schedules"][f"{schedule}:{m}"]["peak"] for r in ranks)
-            cpu = min(r["schedules"][f"{schedule}:{m}"]["cpu_per_busy"] for r in ranks)
-            print(f"{schedule:8} {m:2d} {measured:7.3f} {ideal:6.3f} {measured / ideal:6.2f}"
-                  f"   {peak / 2 ** 20:8.2f} MiB   {cpu:8.2f}")
+            peak = max(case["peak"] for case in cases)
+            cpu = min(case["cpu_per_busy"] for case in cases)
+            print(f"{schedule:8} {m:2d} {measured:7.3f} {ideal:6.3f} {measured / ideal:6.2f}   "
+                  f"{replayed:8.3f} {replayed / ideal:6.2f}   {peak / 2 ** 20:8.2f} MiB   {cpu:8.2f}")
+    print("replayed: the same steps' measured compute times with messages that cost nothing; "
+          "bubble - replayed is the transport's share, replayed - ideal the compute times' "
+          "(stages of unequal or varying speed)")
     print("\npeak activation bytes held, 1F1B / GPipe (stage 0; ideal min(p, m) / m):")
     for m in MICROBATCHES:
         one = ranks[0]["schedules"][f"1f1b:{m}"]["peak"]

@@ -79,7 +79,8 @@ def run_cases(world, kind: str, transport, pp: int, dp: int, cases, out: Path) -
         torch.save({"loss": None if loss_sum is None else loss_sum / count, "grads": grads,
                     "params": {n: p.detach().clone() for n, p in module.named_parameters()},
                     "replica": grid.replica, "stage": grid.stage,
-                    "peak": stats.peak_activation_bytes},
+                    "peak": stats.peak_activation_bytes, "busy": stats.busy_time,
+                    "compute": stats.compute_times},
                    out / f"{label(kind, pp, dp, schedule, m)}-rank{world.rank}.pt")
 
 
@@ -192,6 +193,9 @@ def test_pipeline_matches_single_process(runs, ref, pp):
     for schedule, m in CASES:
         parts = check_case(runs, label("mpi", pp, 1, schedule, m), pp, ref)
         peaks[schedule, m] = parts[0]["peak"]    # stage 0 holds the most under 1F1B
+        for part in parts:   # one forward and one backward time per microbatch, summing to busy
+            assert len(part["compute"]) == 2 * m and min(part["compute"]) > 0
+            assert sum(part["compute"]) == pytest.approx(part["busy"], rel=1e-9)
     # 1F1B keeps at most pp microbatches in flight on stage 0; GPipe keeps all m.
     assert peaks["1f1b", 8] * 8 == pytest.approx(peaks["gpipe", 8] * pp, rel=0.01)
     assert peaks["1f1b", 1] == peaks["gpipe", 1]

@@ -84,6 +84,30 @@ def test_schedules_are_deadlock_free_and_1f1b_bounds_memory(pp, m):
             assert sorted(a.microbatch for a in actions if a.kind == "bwd") == list(range(m))
 
 
+@pytest.mark.parametrize("pp", [2, 3])
+@pytest.mark.parametrize("m", [1, 4, 8])
+def test_replay_with_equal_compute_times_has_the_ideal_bubble(pp, m):
+    # Forward 1 s and backward 2 s everywhere: the step lasts (m + pp - 1) * 3 s, the
+    # bubble is (pp - 1) / (m + pp - 1), under either schedule.
+    for make in (gpipe, one_f_one_b):
+        lists = [make(s, pp, m) for s in range(pp)]
+        durations = [[1.0 if a.kind == "fwd" else 2.0 for a in actions if a.kind in ("fwd", "bwd")]
+                     for actions in lists]
+        finish = simulate(lists, durations)["finish"]
+        assert max(finish) == pytest.approx((m + pp - 1) * 3.0)
+        assert finish[0] == max(finish)     # stage 0 runs the step's last backward
+        assert 1 - 3.0 * m / max(finish) == pytest.approx((pp - 1) / (m + pp - 1))
+
+
+def test_replay_waits_for_the_slower_stage():
+    # GPipe, 2 stages, 2 microbatches; stage 1's first forward takes 5 s instead of 1:
+    # stage 1 forwards [1, 6] and [6, 7], backwards [7, 9] and [9, 11]; stage 0's
+    # backwards wait for those gradients: [9, 11], [11, 13].
+    lists = [gpipe(s, 2, 2) for s in range(2)]
+    finish = simulate(lists, [[1, 1, 2, 2], [5, 1, 2, 2]])["finish"]
+    assert finish == [13, 11]
+
+
 def test_simulator_catches_a_deadlock():
     # Stage 0 waits for the gradient of a microbatch it has not sent yet.
     first = make_schedule("gpipe", 0, 2, 1)

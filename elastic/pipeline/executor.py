@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -52,6 +52,7 @@ class StageStats:
     peak_activation_bytes: int = 0    # autograd-saved activations held at once
     loss_sum: float = 0.0             # last stage: summed loss over its microbatches
     microbatches: int = 0
+    compute_times: list = field(default_factory=list)   # each fwd and bwd's seconds, in order
 
     @property
     def bubble(self) -> float:
@@ -126,7 +127,7 @@ class StageExecutor:
         self._out[i] = out
         self._held += self._saved[i]
         self.stats.peak_activation_bytes = max(self.stats.peak_activation_bytes, self._held)
-        self.stats.busy_time += time.perf_counter() - started
+        self._computed(started)
 
     def _bwd(self, i: int, actions, index) -> None:
         out = self._out.pop(i)
@@ -134,7 +135,7 @@ class StageExecutor:
         started = time.perf_counter()
         torch.autograd.backward(out, grad)
         self._sync()
-        self.stats.busy_time += time.perf_counter() - started
+        self._computed(started)
         self._held -= self._saved.pop(i)
         if not self.grid.is_first:
             self._grad_out[i] = self._x.pop(i).grad
@@ -203,6 +204,11 @@ class StageExecutor:
         tensor = self._posted.pop(key).wait()
         self.stats.recv_wait += time.perf_counter() - started
         return tensor
+
+    def _computed(self, started: float) -> None:
+        seconds = time.perf_counter() - started
+        self.stats.busy_time += seconds
+        self.stats.compute_times.append(seconds)
 
     def _sync(self) -> None:
         if self._cuda:

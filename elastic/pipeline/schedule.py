@@ -71,14 +71,21 @@ def make_schedule(name: str, stage: int, stages: int, microbatches: int) -> list
     return SCHEDULES[name](stage, stages, microbatches)
 
 
-def simulate(lists: list[list[Action]]) -> dict:
+def simulate(lists: list[list[Action]], durations: list[list[float]] | None = None) -> dict:
     """Run every stage's list against the others with non-blocking sends and blocking
     receives (the executor's semantics). Returns {"peak_in_flight": [per stage]};
     raises RuntimeError naming the stuck actions on a deadlock and ValueError when a list
-    sends or receives something its neighbour never matches."""
+    sends or receives something its neighbour never matches.
+
+    ``durations``, per stage the seconds of its fwd and bwd actions in list order (as
+    StageStats.compute_times measures them): the step is also replayed with those compute
+    times and messages that cost nothing, and "finish" gives each stage's end, so a
+    measured step can be split into what the schedule and the compute times make
+    inevitable and what the transport added."""
     stages = len(lists)
-    sent: set = set()           # (kind, microbatch, from_stage) delivered
+    sent: dict = {}             # (kind, microbatch, from_stage) delivered -> when
     received: set = set()
+    clock, computed = [0.0] * stages, [0] * stages
     pos = [0] * stages
     in_flight, peak = [0] * stages, [0] * stages
     while any(pos[s] < len(lists[s]) for s in range(stages)):
@@ -92,10 +99,14 @@ def simulate(lists: list[list[Action]]) -> dict:
                     if message not in sent:
                         break
                     received.add(message)
+                    clock[s] = max(clock[s], sent[message])
+                if durations is not None and a.kind in ("fwd", "bwd"):
+                    clock[s] += durations[s][computed[s]]
+                    computed[s] += 1
                 if a.kind == "send_act":
-                    sent.add(("act", a.microbatch, s))
+                    sent["act", a.microbatch, s] = clock[s]
                 elif a.kind == "send_grad":
-                    sent.add(("grad", a.microbatch, s))
+                    sent["grad", a.microbatch, s] = clock[s]
                 elif a.kind == "fwd":
                     in_flight[s] += 1
                     peak[s] = max(peak[s], in_flight[s])
@@ -106,8 +117,8 @@ def simulate(lists: list[list[Action]]) -> dict:
         if not progressed:
             stuck = {s: lists[s][pos[s]] for s in range(stages) if pos[s] < len(lists[s])}
             raise RuntimeError(f"schedule deadlocks; stages wait at {stuck}")
-    if sent != received:
-        raise ValueError(f"sent but never received: {sorted(sent - received)}")
+    if set(sent) != received:
+        raise ValueError(f"sent but never received: {sorted(set(sent) - received)}")
     if any(in_flight):
         raise ValueError(f"microbatches left without a backward: {in_flight}")
-    return {"peak_in_flight": peak}
+    return {"peak_in_flight": peak, "finish": clock}
