@@ -45,6 +45,8 @@ def options(argv=None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=8, help="Linear+Tanh layers (even)")
     parser.add_argument("--batch", type=int, default=256, help="samples per step (all microbatches)")
     parser.add_argument("--steps", type=int, default=10, help="measured steps per case (after 1 warm-up)")
+    parser.add_argument("--progress-thread", choices=("auto", "on", "off"), default="auto",
+                        help="the MPI transport's progress thread (auto: where a core is free)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -120,12 +122,13 @@ def worker(opts) -> None:
     from elastic.pipeline.transport import MpiTransport
     torch.set_num_threads(1)
     rank = MPI.COMM_WORLD.Get_rank()
-    transport = MpiTransport(dp_color=rank, dp_key=0)
+    transport = MpiTransport(dp_color=rank, dp_key=0,
+                             progress_thread={"on": True, "off": False}.get(opts.progress_thread))
     grid = Grid(rank=rank, pp=2, dp=1)
     torch.manual_seed(0)
     layers = [m for _ in range(opts.layers) for m in (nn.Linear(opts.dim, opts.dim), nn.Tanh())]
     module = cut(nn.Sequential(*layers), *((0, opts.layers), (opts.layers, 2 * opts.layers))[rank])
-    result = {"schedules": {}}
+    result = {"schedules": {}, "progress_thread": transport.progress_thread}
     for schedule in ("gpipe", "1f1b"):
         for m in MICROBATCHES:
             result["schedules"][f"{schedule}:{m}"] = schedule_case(transport, grid, module, opts,
@@ -158,6 +161,7 @@ def replayed_bubble(cases: list[dict], schedule: str, m: int) -> float:
 
 def report(ranks: list[dict]) -> None:
     p = 2
+    print(f"MPI transport's progress thread: {'on' if ranks[0]['progress_thread'] else 'off'}")
     print(f"{'schedule':8} {'m':>2} {'bubble':>7} {'ideal':>6} {'ratio':>6}   {'replayed':>8} "
           f"{'ratio':>6}   peak activations   cpu/busy")
     for schedule in ("gpipe", "1f1b"):

@@ -91,9 +91,14 @@ def start(arm: str, model: str, run_dir: Path, overrides: list[str]) -> subproce
     # Gloo on loopback, as horovodrun's --network-interface lo (all ranks are local)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     run_dir.mkdir(parents=True, exist_ok=True)
-    log = open(run_dir / "launcher.log", "w")
+    log = open(launcher_log(run_dir), "w")
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
+
+
+def launcher_log(run_dir: Path) -> Path:
+    """Beside the run dir: ``regatta local`` starts from an empty one."""
+    return run_dir.with_name(run_dir.name + ".launcher.log")
 
 
 def read_log(run_dir: Path, arm: str, rank: int) -> tuple[dict, list[dict]]:
@@ -112,7 +117,7 @@ def warm_up(arm: str, proc: subprocess.Popen, run_dir: Path, steps: int) -> list
         if all(len(steps_) >= steps for _, steps_ in logs):
             return [header["pid"] for header, _ in logs]
         if proc.poll() is not None or time.monotonic() > deadline:
-            tail = (run_dir / "launcher.log").read_text()[-3000:]
+            tail = launcher_log(run_dir).read_text()[-3000:]
             hvd = run_dir / "horovodrun.log"
             raise SystemExit(f"{arm} did not warm up ({proc.poll()}):\n{tail}"
                              f"{hvd.read_text()[-3000:] if hvd.exists() else ''}")

@@ -267,3 +267,20 @@ def test_trainer_end_to_end_matches_single_process_and_reports_metrics(runs):
 
 if __name__ == "__main__":
     worker(Path(sys.argv[1]))
+
+
+def test_a_message_moves_while_its_sender_computes_with_the_progress_thread():
+    # Without single-copy (as in containers that forbid CMA) a 4 MB message moves through
+    # shared buffers only while its sender is inside MPI: sent before a 0.5 s forward, it
+    # arrives after it, unless the progress thread keeps MPI moving.
+    from conftest import mpirun
+    arrived = {}
+    for mode in ("off", "on"):
+        done = mpirun(2, "--mca", "btl_vader_single_copy_mechanism", "none",
+                      sys.executable, str(ROOT / "tests/workers/mpi_progress_worker.py"), mode,
+                      timeout=60)
+        arrived[mode] = [float(line.split()[-1]) for line in done.stdout.splitlines()
+                         if line.startswith("ARRIVED")]
+        assert len(arrived[mode]) == 3, done.stdout + done.stderr
+    assert min(arrived["off"]) >= 0.45, arrived      # the stall the thread exists for
+    assert max(arrived["on"]) < 0.2, arrived

@@ -13,6 +13,8 @@ each step; under Gloo a fresh send or receive on the kept buffer), and the execu
 all of a step's receives when the step starts: a message is taken in whenever it
 arrives, and the hot path sets nothing up.
 
+Where a core is free for it, a thread keeps MPI's messages moving while the stage computes
+(progress.py: without it a message may move only when its sender next calls MPI).
 MPI requests are waited on by testing them (waiting.py: OpenMPI busy-spins in ``Wait``,
 which steals the CPU from the stage being waited for when ranks share cores). Gloo's own
 wait sleeps on a condition and is used as is. Pickling is used only off the hot path
@@ -39,6 +41,7 @@ import os
 
 import torch
 
+from . import progress
 from .waiting import POLL_CAP_S, SPIN_ALONE_S, SPIN_S, fine_timer_slack, poll
 
 
@@ -196,7 +199,9 @@ def mpi_cuda_aware(comm, forced: bool | None = None) -> bool:
 
 class MpiTransport(Transport):
     def __init__(self, dp_color: int, dp_key: int, comm=None, poll_cap_s: float = POLL_CAP_S,
-                 cuda_aware: bool | None = None):
+                 cuda_aware: bool | None = None, progress_thread: bool | None = None):
+        """``progress_thread``: keep messages moving while the stage computes
+        (progress.py); None: where a core is free for it."""
         from mpi4py import MPI
         self._mpi = MPI
         # A private duplicate: our tags never meet another library's messages.
@@ -210,15 +215,24 @@ class MpiTransport(Transport):
         self._persistent: list = []
         if torch.cuda.is_available() and mpi_cuda_aware(self.comm, cuda_aware):
             self.direct_devices = frozenset({"cpu", "cuda"})
+        self._progress = progress.Progress(self.comm) if progress.wanted(self.comm, progress_thread) else None
         fine_timer_slack()
 
+    @property
+    def progress_thread(self) -> bool:
+        """Whether a thread keeps messages moving while the stage computes."""
+        return self._progress is not None
+
+    def _posted(self, request, tensor) -> Handle:
+        if self._progress is not None:
+            self._progress.kick()
+        return Handle(request, tensor, self._cap, self._spin)
+
     def _isend(self, tensor, peer, tag):
-        return Handle(self.comm.Isend([_bytes(tensor), self._mpi.BYTE], dest=peer, tag=tag),
-                      tensor, self._cap, self._spin)
+        return self._posted(self.comm.Isend([_bytes(tensor), self._mpi.BYTE], dest=peer, tag=tag), tensor)
 
     def _irecv(self, tensor, peer, tag):
-        return Handle(self.comm.Irecv([_bytes(tensor), self._mpi.BYTE], source=peer, tag=tag),
-                      tensor, self._cap, self._spin)
+        return self._posted(self.comm.Irecv([_bytes(tensor), self._mpi.BYTE], source=peer, tag=tag), tensor)
 
     def _recv_channel(self, tensor, peer, tag):
         return self._persistent_channel(
@@ -235,7 +249,7 @@ class MpiTransport(Transport):
             if tensor.is_cuda:   # kernels writing (or still reading) the buffer come first
                 torch.cuda.current_stream(tensor.device).synchronize()
             request.Start()
-            return Handle(request, tensor, self._cap, self._spin)
+            return self._posted(request, tensor)
         return Channel(start)
 
     def _allreduce_dp(self, flat):
@@ -257,6 +271,8 @@ class MpiTransport(Transport):
         poll(self.comm.Ibarrier().Test, self._cap, self._spin)
 
     def close(self):
+        if self._progress is not None:
+            self._progress.close()
         for request in self._persistent:
             try:
                 request.Free()
