@@ -3,6 +3,7 @@ Horovod ranks equals one process on the combined batch: uneven shares, 2 ranks (
 Horovod's MPI operations) and 3 ranks (horovodrun, Gloo), accumulation, a parameter the
 last microstep leaves unused, a rank without samples, a rebuilt reducer; and float16 on
 the wire stays within its stated error."""
+import copy
 import gc
 import weakref
 
@@ -87,6 +88,46 @@ def test_one_process_divides_by_the_count_and_zero_fills():
     assert (reduced.agreed.loss, reduced.agreed.count) == (1.5, 4)
     torch.testing.assert_close(model[1].weight.grad, torch.ones(1, 2))   # 4 ones / 4
     assert torch.equal(model[0].weight.grad, torch.zeros(2, 3))
+
+
+class Recording(Alone):
+    """Sums over a world of one, noting what each collective was given."""
+
+    def __init__(self):
+        self.calls = []
+
+    def allreduce_sum_async(self, tensors, name, scale=1.0):
+        self.calls.append([t.untyped_storage().data_ptr() for t in tensors])
+        return super().allreduce_sum_async(tensors, name, scale)
+
+
+def test_each_bucket_is_one_tensor_and_the_gradients_are_views_of_it():
+    # Horovod copies a grouped allreduce's tensors into its fusion buffer and back; one
+    # flat tensor per bucket, with .grad viewing it, it sums in place.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4), torch.nn.Linear(4, 1))
+    twin = copy.deepcopy(model)
+    collectives = Recording()
+    reducer = BucketReducer(list(model.parameters()), 0, 2, collectives, bucket_bytes=100, expected_count=4)
+    assert [len(bucket.params) for bucket in reducer.buckets] == [4, 2]
+    for step in range(3):   # zero_grad drops the views: each step copies the new gradients in
+        x = torch.randn(4, 8)
+        model.zero_grad(set_to_none=True)
+        twin.zero_grad(set_to_none=True)
+        reducer.before_backward(last=True)
+        model(x).sum().backward()
+        reduced = reducer.finish(Pending().control(0.0, 4, 0.0))
+        (twin(x).sum() / 4).backward()
+        assert reduced.agreed.count == 4
+        launched = collectives.calls[-len(reducer.buckets):]
+        assert all(len(tensors) == 1 for tensors in launched), launched
+        for bucket, tensors in zip(reducer.buckets, launched):
+            assert tensors == [bucket.flat.untyped_storage().data_ptr()]
+            for param in bucket.params:
+                assert param.grad.untyped_storage().data_ptr() == tensors[0]
+        for mine, reference_ in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(mine.grad, reference_.grad)
+    assert len(collectives.calls) == 3 * len(reducer.buckets)
 
 
 def test_closed_reducer_leaves_no_hook_behind():

@@ -1,13 +1,15 @@
 """Gradient buckets: consecutive parameters, in the order backward produces their
 gradients, that travel as one collective (Horovod's tensor fusion, torch DDP's buckets).
 
-A bucket's gradients go on the wire as they are: the bucket is one grouped allreduce of
-its parameters' ``.grad`` tensors, summed in place, which Horovod fuses into one transfer
-on its own thread. Nothing is copied on the training thread and no bucket memory is
-held. The division by the global count happens there too (Horovod's postscale), by the
-count the reducer expects; in the rare step whose count differs, ``read_back`` corrects
-it. With compression a bucket owns a wire buffer in the narrow dtype instead: each
-gradient is cast into it when complete, and cast back and divided afterwards.
+A bucket owns one flat buffer, and its parameters' ``.grad`` are views into it (DDP's
+``gradient_as_bucket_view``): a gradient backward made elsewhere (after ``zero_grad``
+set it to None) is copied in once when complete, and the bucket is then one tensor summed
+in place by one Horovod allreduce, so Horovod copies nothing into or out of its fusion
+buffer. The step's agreement vector, when this bucket carries it, is the buffer's tail.
+The division by the global count happens in the collective too (Horovod's postscale), by
+the count the reducer expects; in the rare step whose count differs, ``read_back``
+corrects it. With compression the buffer is in the narrow dtype instead: each gradient is
+cast into it when complete, and cast back and divided afterwards.
 """
 from __future__ import annotations
 
@@ -66,23 +68,24 @@ def wire_dtype(grad_dtype: torch.dtype, compression: str) -> torch.dtype:
 
 
 class Bucket:
-    """The gradients of ``params`` (in plan order), sent together; ``extra`` is a tensor
-    that rides along in the same collective (the step's agreement vector)."""
+    """The gradients of ``params`` (in plan order), sent together in one flat buffer;
+    ``extra`` (``extra_len`` elements at the buffer's end, when asked) rides along (the
+    step's agreement vector)."""
 
-    def __init__(self, index: int, params: list[torch.Tensor], dtype: torch.dtype,
-                 extra: torch.Tensor | None = None):
-        self.index, self.params, self.extra = index, params, extra
+    def __init__(self, index: int, params: list[torch.Tensor], dtype: torch.dtype, extra_len: int = 0):
+        self.index, self.params = index, params
         self.name = f"regatta.grad.{index}"
         self.offsets, total = [], 0
         for param in params:
             self.offsets.append(total)
             total += param.numel()
-        self.wire = None if dtype == params[0].dtype else \
-            torch.zeros(total, dtype=dtype, device=params[0].device)
-        self.nbytes = total * (self.wire if self.wire is not None else params[0]).element_size() + \
-            (extra.numel() * extra.element_size() if extra is not None else 0)
+        self.total = total
+        self.flat = torch.zeros(total + extra_len, dtype=dtype, device=params[0].device)
+        self.narrow = dtype != params[0].dtype   # compressed: cast in, cast back
+        self.extra = self.flat[total:] if extra_len else None
+        self.nbytes = self.flat.numel() * self.flat.element_size()
         self.filled: set[int] = set()      # positions whose gradient is complete
-        self.scale = 1.0                    # wire buffer values are gradients times this
+        self.scale = 1.0                    # narrow buffer values are gradients times this
         self.reset()
 
     def reset(self) -> None:
@@ -91,24 +94,22 @@ class Bucket:
         self.divided_by: int | None = None  # the count the collective already divided by
         self.summed = False                 # waited on, and it succeeded
 
-    def _wire_slot(self, position: int) -> torch.Tensor:
+    def _slot(self, position: int) -> torch.Tensor:
         param = self.params[position]
         start = self.offsets[position]
-        return self.wire[start:start + param.numel()].view_as(param)
+        return self.flat[start:start + param.numel()].view_as(param)
 
     def put(self, position: int) -> None:
         """The gradient of ``params[position]`` is complete (or will get none: zero)."""
-        param = self.params[position]
-        if self.wire is not None:
-            slot = self._wire_slot(position)
-            if param.grad is None:
-                slot.zero_()
-            else:
-                torch.mul(param.grad, self.scale, out=slot)
-        elif param.grad is None:
-            param.grad = torch.zeros_like(param)
-        elif not param.grad.is_contiguous():   # collectives take contiguous memory
-            param.grad = param.grad.contiguous()
+        param, slot = self.params[position], self._slot(position)
+        if param.grad is None:
+            slot.zero_()
+        elif self.narrow:
+            torch.mul(param.grad, self.scale, out=slot)
+        elif param.grad.data_ptr() != slot.data_ptr() or param.grad.stride() != slot.stride():
+            slot.copy_(param.grad)
+        if not self.narrow:
+            param.grad = slot
         self.filled.add(position)
 
     def complete(self) -> bool:
@@ -122,17 +123,14 @@ class Bucket:
                 self.put(position)
 
     def launch(self, collectives, expected_count: int | None = None) -> None:
-        """Start the sum; divided by ``expected_count`` on the way (not the wire buffer's
-        narrow values, nor a bucket carrying ``extra``)."""
-        tensors = [self.wire] if self.wire is not None else [p.grad for p in self.params]
-        if self.extra is not None:
-            tensors.append(self.extra)
-        if self.wire is not None or self.extra is not None:
+        """Start the sum; divided by ``expected_count`` on the way (not the narrow
+        buffer's values, nor a bucket carrying ``extra``)."""
+        if self.narrow or self.extra is not None:
             expected_count = None
         self.divided_by = expected_count
         self.launched_at = time.perf_counter()
         self.request = collectives.allreduce_sum_async(
-            tensors, self.name, scale=1.0 / expected_count if expected_count else 1.0)
+            [self.flat], self.name, scale=1.0 / expected_count if expected_count else 1.0)
 
     def poll(self) -> None:
         if self.request is not None and self.done_at is None and self.request.done():
@@ -140,18 +138,14 @@ class Bucket:
 
     def read_back(self, divisor: int) -> None:
         """Leave the reduced sum / ``divisor`` in every parameter's ``.grad``."""
-        if self.wire is None:
-            if self.divided_by == divisor:
-                return
-            for param in self.params:
-                if self.divided_by:
-                    param.grad.mul_(self.divided_by / divisor)
-                else:
-                    param.grad.div_(divisor)
+        grads = self.flat[:self.total]
+        if not self.narrow:
+            if self.divided_by != divisor:
+                grads.mul_(self.divided_by / divisor) if self.divided_by else grads.div_(divisor)
             return
         divisor = divisor * self.scale     # the scale is a power of two: exact
         for position, param in enumerate(self.params):
-            slot = self._wire_slot(position)
+            slot = self._slot(position)
             if param.grad is None:
                 param.grad = slot.to(param.dtype).div_(divisor)
             else:

@@ -63,10 +63,8 @@ class BucketReducer:
         for index, members in enumerate(plan):
             first = params[members[0]]
             dtype = wire_dtype(first.dtype, compression)
-            extra = None
-            if index == len(plan) - 1 and dtype == first.dtype and dtype in (torch.float32, torch.float64):
-                extra = torch.zeros(control_len, dtype=dtype, device=first.device)
-            bucket = Bucket(index, [params[i] for i in members], dtype, extra)
+            carries = index == len(plan) - 1 and dtype == first.dtype and dtype in (torch.float32, torch.float64)
+            bucket = Bucket(index, [params[i] for i in members], dtype, control_len if carries else 0)
             self.buckets.append(bucket)
             for position, param_index in enumerate(members):
                 self._where[param_index] = (bucket, position)
@@ -81,7 +79,7 @@ class BucketReducer:
             scale = 2.0 ** -round(math.log2(self._last_count))
             for bucket in self.buckets:
                 bucket.reset()
-                bucket.scale = scale if bucket.wire is not None else 1.0
+                bucket.scale = scale if bucket.narrow else 1.0
             self._flying = []
         self._armed = last
 
