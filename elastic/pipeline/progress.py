@@ -18,6 +18,7 @@ from the stage it waits for.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
@@ -54,6 +55,9 @@ class Progress:
         self._kicked, self._stopping = threading.Event(), False
         self._thread = threading.Thread(target=self._run, name="regatta-mpi-progress", daemon=True)
         self._thread.start()
+        # A run that ends by an exception never closes its transport; MPI is finalized at
+        # exit, and no thread may call it after that.
+        atexit.register(self.close)
 
     def kick(self) -> None:
         """A message was posted: keep MPI moving for the next ``window_s``."""
@@ -61,6 +65,9 @@ class Progress:
         self._kicked.set()
 
     def close(self) -> None:
+        if self._stopping:
+            return
+        atexit.unregister(self.close)
         self._stopping = True
         self._kicked.set()
         self._thread.join()
