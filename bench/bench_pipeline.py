@@ -1,6 +1,6 @@
 """Pipeline schedules and transport, measured side by side in one mpirun launch.
 
-    .venv/bin/python bench/bench_pipeline.py [--dim 512] [--batch 256] [--steps 10]
+    .venv/bin/python bench/bench_pipeline.py [--dim 512] [--batch 256] [--steps 10] [--repeats 3]
 
 Starts ``mpirun -np 2`` on itself (2 stages, one rank each) and prints:
 
@@ -45,6 +45,7 @@ def options(argv=None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=8, help="Linear+Tanh layers (even)")
     parser.add_argument("--batch", type=int, default=256, help="samples per step (all microbatches)")
     parser.add_argument("--steps", type=int, default=10, help="measured steps per case (after 1 warm-up)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds over all the cases (interleaved)")
     parser.add_argument("--progress-thread", choices=("auto", "on", "off"), default="auto",
                         help="the MPI transport's progress thread (auto: where a core is free)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -129,10 +130,11 @@ def worker(opts) -> None:
     layers = [m for _ in range(opts.layers) for m in (nn.Linear(opts.dim, opts.dim), nn.Tanh())]
     module = cut(nn.Sequential(*layers), *((0, opts.layers), (opts.layers, 2 * opts.layers))[rank])
     result = {"schedules": {}, "progress_thread": transport.progress_thread}
-    for schedule in ("gpipe", "1f1b"):
-        for m in MICROBATCHES:
-            result["schedules"][f"{schedule}:{m}"] = schedule_case(transport, grid, module, opts,
-                                                                   schedule, m)
+    for _ in range(opts.repeats):   # rounds over every case: load that comes and goes hits all
+        for schedule in ("gpipe", "1f1b"):
+            for m in MICROBATCHES:
+                result["schedules"].setdefault(f"{schedule}:{m}", []).append(
+                    schedule_case(transport, grid, module, opts, schedule, m))
     tensor = torch.randn(MB16 // 4)
     result["copy_s"] = copy_time(tensor)
     result["mpi_s"] = ping(transport, 1 - rank, rank, tensor)
@@ -159,28 +161,35 @@ def replayed_bubble(cases: list[dict], schedule: str, m: int) -> float:
     return 1 - busy / span
 
 
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):5.2f} [{min(values):4.2f}-{max(values):4.2f}]"
+
+
 def report(ranks: list[dict]) -> None:
     p = 2
-    print(f"MPI transport's progress thread: {'on' if ranks[0]['progress_thread'] else 'off'}")
-    print(f"{'schedule':8} {'m':>2} {'bubble':>7} {'ideal':>6} {'ratio':>6}   {'replayed':>8} "
-          f"{'ratio':>6}   peak activations   cpu/busy")
+    repeats = len(ranks[0]["schedules"]["gpipe:1"])
+    print(f"MPI transport's progress thread: {'on' if ranks[0]['progress_thread'] else 'off'}; "
+          f"median [min-max] over {repeats} rounds")
+    print(f"{'schedule':8} {'m':>2} {'ideal':>6} {'bubble':>6}   {'bubble / ideal':>16}   "
+          f"{'replayed / ideal':>16}   peak activations   cpu/busy")
     for schedule in ("gpipe", "1f1b"):
         for m in MICROBATCHES:
-            cases = [r["schedules"][f"{schedule}:{m}"] for r in ranks]
-            measured = statistics.mean(case["bubble"] for case in cases)
-            replayed = replayed_bubble(cases, schedule, m)
             ideal = (p - 1) / (m + p - 1)
-            peak = max(case["peak"] for case in cases)
-            cpu = min(case["cpu_per_busy"] for case in cases)
-            print(f"{schedule:8} {m:2d} {measured:7.3f} {ideal:6.3f} {measured / ideal:6.2f}   "
-                  f"{replayed:8.3f} {replayed / ideal:6.2f}   {peak / 2 ** 20:8.2f} MiB   {cpu:8.2f}")
+            rounds = list(zip(*(r["schedules"][f"{schedule}:{m}"] for r in ranks)))
+            measured = [statistics.mean(case["bubble"] for case in cases) for cases in rounds]
+            replayed = [replayed_bubble(list(cases), schedule, m) for cases in rounds]
+            peak = max(case["peak"] for cases in rounds for case in cases)
+            cpu = min(case["cpu_per_busy"] for cases in rounds for case in cases)
+            print(f"{schedule:8} {m:2d} {ideal:6.3f} {statistics.median(measured):6.3f}   "
+                  f"{spread([b / ideal for b in measured]):>16}   "
+                  f"{spread([b / ideal for b in replayed]):>16}   {peak / 2 ** 20:8.2f} MiB   {cpu:8.2f}")
     print("replayed: the same steps' measured compute times with messages that cost nothing; "
           "bubble - replayed is the transport's share, replayed - ideal the compute times' "
           "(stages of unequal or varying speed)")
     print("\npeak activation bytes held, 1F1B / GPipe (stage 0; ideal min(p, m) / m):")
     for m in MICROBATCHES:
-        one = ranks[0]["schedules"][f"1f1b:{m}"]["peak"]
-        gp = ranks[0]["schedules"][f"gpipe:{m}"]["peak"]
+        one = ranks[0]["schedules"][f"1f1b:{m}"][0]["peak"]
+        gp = ranks[0]["schedules"][f"gpipe:{m}"][0]["peak"]
         print(f"  m={m}: {one / gp:.3f} (ideal {min(p, m) / m:.3f})")
     copy_s = ranks[0]["copy_s"]
     print(f"\n16 MB transfer / 16 MB memory copy ({copy_s * 1e3:.2f} ms, {MB16 / copy_s / 1e9:.1f} GB/s):")
