@@ -265,10 +265,6 @@ def test_trainer_end_to_end_matches_single_process_and_reports_metrics(runs):
         assert last["allreduce_bytes"] > 0
 
 
-if __name__ == "__main__":
-    worker(Path(sys.argv[1]))
-
-
 def test_a_message_moves_while_its_sender_computes_with_the_progress_thread():
     # Without single-copy (as in containers that forbid CMA) a 4 MB message moves through
     # shared buffers only while its sender is inside MPI: sent before a 0.5 s forward, it
@@ -279,8 +275,31 @@ def test_a_message_moves_while_its_sender_computes_with_the_progress_thread():
         done = mpirun(2, "--mca", "btl_vader_single_copy_mechanism", "none",
                       sys.executable, str(ROOT / "tests/workers/mpi_progress_worker.py"), mode,
                       timeout=60)
-        arrived[mode] = [float(line.split()[-1]) for line in done.stdout.splitlines()
-                         if line.startswith("ARRIVED")]
-        assert len(arrived[mode]) == 3, done.stdout + done.stderr
-    assert min(arrived["off"]) >= 0.45, arrived      # the stall the thread exists for
-    assert max(arrived["on"]) < 0.25, arrived
+        for kind in ("ARRIVED", "SENT"):
+            arrived[kind, mode] = [float(line.split()[-1]) for line in done.stdout.splitlines()
+                                   if line.startswith(kind)]
+            assert len(arrived[kind, mode]) == 3, done.stdout + done.stderr
+    assert min(arrived["ARRIVED", "off"]) >= 0.45, arrived      # the stall the thread exists for
+    assert max(arrived["ARRIVED", "on"]) < 0.25, arrived
+    # The same when the receiver computes: a send posted 0.2 s into its 0.5 s forward ends
+    # after the forward without the thread, soon after it is posted with it (the thread
+    # runs while the receive is outstanding, however long that is).
+    assert min(arrived["SENT", "off"]) >= 0.45, arrived
+    assert max(arrived["SENT", "on"]) < 0.4, arrived
+
+
+def test_ranks_that_disagree_about_the_progress_thread_all_go_without_it():
+    # Rank 0 asks for it, rank 1 does not: both go without (neither waits in the other's
+    # collective), and REGATTA_MPI_PROGRESS is what the engine asks with.
+    from conftest import mpirun
+    from elastic.runtime.env import Env
+    done = mpirun(2, sys.executable, str(ROOT / "tests/workers/mpi_progress_worker.py"), "disagree",
+                  timeout=60)
+    assert sorted(line for line in done.stdout.splitlines() if line.startswith("PROGRESS")) == \
+        ["PROGRESS 0 False", "PROGRESS 1 False"], done.stdout
+    assert [Env.read(env).mpi_progress for env in ({}, {"REGATTA_MPI_PROGRESS": "1"},
+                                                   {"REGATTA_MPI_PROGRESS": "0"})] == [None, True, False]
+
+
+if __name__ == "__main__":
+    worker(Path(sys.argv[1]))

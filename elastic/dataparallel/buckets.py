@@ -5,7 +5,8 @@ A bucket owns one flat buffer, and its parameters' ``.grad`` are views into it (
 ``gradient_as_bucket_view``): a gradient backward made elsewhere (after ``zero_grad``
 set it to None) is copied in once when complete, and the bucket is then one tensor summed
 in place by one Horovod allreduce, so Horovod copies nothing into or out of its fusion
-buffer. The step's agreement vector, when this bucket carries it, is the buffer's tail.
+buffer. The buffers live as long as the reducer (one gradient-sized allocation, as DDP's
+buckets). The step's agreement vector, when this bucket carries it, is the buffer's tail.
 The division by the global count happens in the collective too (Horovod's postscale), by
 the count the reducer expects; in the rare step whose count differs, ``read_back``
 corrects it. With compression the buffer is in the narrow dtype instead: each gradient is

@@ -134,7 +134,8 @@ def make_transport(kind: str, world, stage_groups: list[list[int]], my_group: in
     if kind == "auto":
         kind = "mpi" if env.launcher == "mpirun" else "gloo"
     if kind == "mpi":
-        return MpiTransport(dp_color=my_group, dp_key=world.rank, cuda_aware=env.mpi_cuda_aware)
+        return MpiTransport(dp_color=my_group, dp_key=world.rank, cuda_aware=env.mpi_cuda_aware,
+                            progress_thread=env.mpi_progress)
     init = env.pipe_init
     if not init:
         mine = f"tcp://{host_address(world.host)}:{free_port()}" if world.is_root else None

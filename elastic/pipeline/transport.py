@@ -48,14 +48,18 @@ from .waiting import POLL_CAP_S, SPIN_ALONE_S, SPIN_S, fine_timer_slack, poll
 class Handle:
     """One outstanding send or receive; keeps its tensor alive until complete."""
     _spin = SPIN_S
+    _on_done = None            # called once when first seen complete
 
-    def __init__(self, request, tensor: torch.Tensor, cap_s: float, spin_s: float = SPIN_S):
+    def __init__(self, request, tensor: torch.Tensor, cap_s: float, spin_s: float = SPIN_S,
+                 on_done=None):
         self.request, self.tensor, self._cap, self._spin = request, tensor, cap_s, spin_s
-        self._done = False
+        self._done, self._on_done = False, on_done
 
     def test(self) -> bool:
         if not self._done:
             self._done = bool(self._test())
+            if self._done and self._on_done is not None:
+                self._on_done()
         return self._done
 
     def wait(self) -> torch.Tensor:
@@ -201,7 +205,8 @@ class MpiTransport(Transport):
     def __init__(self, dp_color: int, dp_key: int, comm=None, poll_cap_s: float = POLL_CAP_S,
                  cuda_aware: bool | None = None, progress_thread: bool | None = None):
         """``progress_thread``: keep messages moving while the stage computes
-        (progress.py); None: where a core is free for it."""
+        (progress.py); None: where a core is free for it, and not when MPI moves CUDA
+        memory itself."""
         from mpi4py import MPI
         self._mpi = MPI
         # A private duplicate: our tags never meet another library's messages.
@@ -215,6 +220,8 @@ class MpiTransport(Transport):
         self._persistent: list = []
         if torch.cuda.is_available() and mpi_cuda_aware(self.comm, cuda_aware):
             self.direct_devices = frozenset({"cpu", "cuda"})
+            # MPI would drive CUDA copies from a thread without the device's context.
+            progress_thread = False if progress_thread is None else progress_thread
         self._progress = progress.Progress(self.comm) if progress.wanted(self.comm, progress_thread) else None
         fine_timer_slack()
 
@@ -224,9 +231,10 @@ class MpiTransport(Transport):
         return self._progress is not None
 
     def _posted(self, request, tensor) -> Handle:
-        if self._progress is not None:
-            self._progress.kick()
-        return Handle(request, tensor, self._cap, self._spin)
+        if self._progress is None:
+            return Handle(request, tensor, self._cap, self._spin)
+        self._progress.started()
+        return Handle(request, tensor, self._cap, self._spin, on_done=self._progress.ended)
 
     def _isend(self, tensor, peer, tag):
         return self._posted(self.comm.Isend([_bytes(tensor), self._mpi.BYTE], dest=peer, tag=tag), tensor)

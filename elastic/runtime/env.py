@@ -47,6 +47,7 @@ class Env:
     faults: FaultPlan = field(default_factory=FaultPlan)   # REGATTA_FAULTS (JSON)
     slow_ranks: tuple = ()          # REGATTA_SLOW_RANKS=RANK:FACTOR,...: ((rank, factor), ...)
     mpi_cuda_aware: bool | None = None   # REGATTA_MPI_CUDA_AWARE=0|1 (None: ask MPI)
+    mpi_progress: bool | None = None     # REGATTA_MPI_PROGRESS=0|1 (None: where a core is free)
     pipe_init: str = ""             # REGATTA_PIPE_INIT: torch.distributed init method
     launch_key: str = ""            # what every process of one launch shares (run ids)
     replacing: bool = False         # REGATTA_HANDOFF set: this worker takes a failed one's place
@@ -65,6 +66,7 @@ class Env:
                    device=env.get("REGATTA_DEVICE", "").strip().lower(),
                    faults=_faults(env), slow_ranks=_slow_ranks(env),
                    mpi_cuda_aware=_flag(env, "REGATTA_MPI_CUDA_AWARE"),
+                   mpi_progress=_flag(env, "REGATTA_MPI_PROGRESS"),
                    pipe_init=env.get("REGATTA_PIPE_INIT", ""), launch_key=_launch_key(env),
                    replacing=bool(env.get(HANDOFF_ENV)))
 
