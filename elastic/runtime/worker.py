@@ -9,7 +9,6 @@ process, ``mpirun``, ``horovodrun`` elastic (``hvd.elastic.run`` re-enters ``loo
 from __future__ import annotations
 
 import json
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,13 +25,11 @@ from .collectives import Alone, HorovodCollectives, MpiCollectives
 from .commit_policy import CommitPolicy
 from .control import Pending
 from .env import Env
-from .checkpoint import CheckpointError
-from .checkpoint_writer import PendingWrite
+from .checkpoint_records import Checkpoints
 from .events import EventLog, Progress
 from .registration import EarlyRegistration
 from .reporting import HostSampler, StepReporter, memcpy_bandwidth, process_started
-from .runs import (code_revision, launcher_name, mark_checkpoint_folder, new_run_id, open_sink,
-                   resumed_run_id, run_row)
+from .runs import code_revision, launcher_name, new_run_id, open_sink, resumed_run_id, run_row
 from .world import World, share_cores
 
 _current: "Runtime | None" = None   # the runtime of the training running in this process
@@ -69,8 +66,7 @@ class Runtime:
         self.progress: Progress | None = None
         self.bar: tqdm | None = None
         self.commits = self.entries = 0    # commits made; entries into the training loop
-        self.writing: PendingWrite | None = None     # the durable checkpoint still being written
-        self._recorded = threading.Event()     # ... and once it is, its event recorded
+        self.checkpoints = Checkpoints(self.events, cfg, self.run_id)
         self.state = None
 
     # -- start and end -------------------------------------------------------------------
@@ -227,7 +223,7 @@ class Runtime:
         cost = time.perf_counter() - started
         self.commits += 1
         if detail.get("durable") and detail.get("path"):   # a fixed world commits to disk
-            self._mark_checkpoint()
+            self.checkpoints.mark()
         audit = {}
         try:
             audit = self.audit(state)
@@ -244,51 +240,19 @@ class Runtime:
             self.checkpoint(state)
 
     def checkpoint(self, state) -> None:
-        """The durable copy. ``cost_s``: what training waited for; a write going on in the
-        background is recorded when it ends (``write_s``, ``bytes``), from the writer."""
-        started, step = time.perf_counter(), state.step
-        detail = state.write_checkpoint()
-        cost = time.perf_counter() - started
-        if isinstance(detail, PendingWrite):
-            recorded = threading.Event()
-            self.writing, self._recorded = detail, recorded
-            detail.add_done_callback(lambda done: self._written(step, cost, done, recorded))
-        elif detail is not None:
-            self._mark_checkpoint()
-            self.events.record("checkpoint", step, cost_s=cost, **detail)
+        self.checkpoints.write(state)
 
-    def _written(self, step: int, cost: float, done: PendingWrite, recorded: threading.Event) -> None:
-        """A background write ended (called from the writer's thread)."""
-        try:
-            error = done.exception()
-            if error is not None:   # the previous checkpoint is still in place
-                self.events.record("checkpoint_failed", step, cost_s=cost,
-                                   error=f"{type(error).__name__}: {error}"[:2000])
-                return
-            self._mark_checkpoint()
-            self.events.record("checkpoint", step, cost_s=cost, **done.result())
-        finally:
-            recorded.set()
+    @property
+    def writing(self):
+        """The durable checkpoint still being written in the background, if any."""
+        return self.checkpoints.writing
 
     def wait_for_checkpoint(self) -> None:
-        """Block until the background write is recorded (not just done: waiters wake before callbacks)."""
-        if self.writing is not None:
-            while not self._recorded.wait(0.1):
-                self.writing.hurry()    # paced to land later: it is needed now
-            self.writing = None
-
-    def _mark_checkpoint(self) -> None:
-        mark_checkpoint_folder(self.cfg.checkpoint_path.parent, self.run_id)
+        self.checkpoints.wait()
 
     def resumed(self, state, detail: dict | None) -> None:
         """The state was loaded from the checkpoint folder (``train.resume``)."""
-        folder = self.cfg.checkpoint_path.parent
-        if detail is None:
-            raise CheckpointError(f"train.resume = {self.cfg.resume!r}, but {folder} holds no checkpoint")
-        if detail.get("run_id") not in (None, self.run_id):
-            raise CheckpointError(f"train.resume = {self.cfg.resume!r}, but the checkpoint in {folder} "
-                                  f"belongs to run {detail['run_id']!r}")
-        self.events.record("resume", state.step, **detail)
+        self.checkpoints.resumed(state, detail)
 
     def audit(self, state) -> dict:
         digest = state.audit_hash() if self.env.audit else None
