@@ -16,8 +16,9 @@ arm alike, and no arm pays another's start-up.
 * stock: the same launcher, Horovod's documented elastic loop with DistributedOptimizer;
 * ddp: ``torchrun``, DistributedDataParallel over Gloo.
 
-Same job, data split, optimizer, global batch and threads per rank everywhere; Regatta
-commits only at its start (as the stock loop's TorchState does). An arm's rate in a turn
+Same job, data split, optimizer, global batch and threads per rank everywhere (an
+``OMP_NUM_THREADS`` in the environment changes Regatta's alone, which follows it; the table
+says each arm's threads); Regatta commits only at its start (as the stock loop's TorchState does). An arm's rate in a turn
 is its rank 0's steps that ended inside the turn, over the time between the first and the
 last of them (a step cut by a stop is not counted). Prints steps/s and samples/s (median,
 min, max over the rounds), the ratios per round (median and range), Regatta's overlap and
@@ -200,11 +201,12 @@ def report(model: str, result: dict, memcpy: float) -> None:
     batch, nbytes = header["global_batch"], header["grad_bytes"]
     print(f"\n== {model}: {nbytes / 2**20:.1f} MiB of gradients, global batch {batch}, {RANKS} ranks, "
           f"{len(turns['regatta'])} turns of each arm")
-    print(f"{'arm':8} {'steps/s median [min-max]':>26} {'samples/s':>10} {'peak RSS/rank MiB':>18}")
+    print(f"{'arm':8} {'steps/s median [min-max]':>26} {'samples/s':>10} {'peak RSS/rank MiB':>18} "
+          f"{'threads/rank':>12}")
     for arm in ARMS:
         good = [r for r in rates[arm] if r is not None]
         print(f"{arm:8} {spread(good):>26} {statistics.median(good) * batch:10.1f} "
-              f"{max(result['rss'][arm]) / 2**20:18.0f}")
+              f"{max(result['rss'][arm]) / 2**20:18.0f} {logs[arm][0].get('threads', '?'):>12}")
     for other in ("stock", "ddp"):
         ratios = [a / b for a, b in zip(rates["regatta"], rates[other]) if a and b]
         print(f"regatta / {other:5}: {spread(ratios)} per round")

@@ -71,7 +71,7 @@ class StepLog:
         folder = Path(run_dir) / "throughput"
         folder.mkdir(parents=True, exist_ok=True)
         self.file = open(folder / f"{arm}-{rank}.jsonl", "w", buffering=1)
-        self.write({"pid": os.getpid(), "rank": rank, **header})
+        self.write({"pid": os.getpid(), "rank": rank, "threads": torch.get_num_threads(), **header})
 
     def write(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")

@@ -96,9 +96,9 @@ class Recording(Alone):
     def __init__(self):
         self.calls = []
 
-    def allreduce_sum_async(self, tensors, name, scale=1.0):
+    def allreduce_sum_async(self, tensors, name):
         self.calls.append([t.untyped_storage().data_ptr() for t in tensors])
-        return super().allreduce_sum_async(tensors, name, scale)
+        return super().allreduce_sum_async(tensors, name)
 
 
 def test_each_bucket_is_one_tensor_and_the_gradients_are_views_of_it():

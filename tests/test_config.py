@@ -58,3 +58,25 @@ def test_job_command_line_reports_config_errors():
     done = subprocess.run([PYTHON, "-m", "jobs.digits", "--steps", "-3"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "train.steps must be > 0, got -3" in done.stderr
+
+
+def test_threads_per_rank_come_from_omp_num_threads_else_the_shared_cores():
+    import os
+
+    import torch
+
+    from elastic.runtime.env import Env, EnvError
+    from elastic.runtime.world import World, share_cores
+    before = torch.get_num_threads()
+    cores = os.cpu_count() or 1
+    try:
+        world = World(rank=0, size=4, local_rank=0, local_size=4, host="h")
+        assert share_cores(world, Env.read({})) == max(1, cores // 4)
+        assert share_cores(world, Env.read({"REGATTA_PROCS_PER_MACHINE": "1"})) == cores
+        assert share_cores(world, Env.read({"OMP_NUM_THREADS": "3"})) == 3
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+    for bad in ("-2", "two"):
+        with pytest.raises(EnvError, match="OMP_NUM_THREADS"):
+            Env.read({"OMP_NUM_THREADS": bad})

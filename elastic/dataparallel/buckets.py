@@ -7,9 +7,11 @@ set it to None) is copied in once when complete, and the bucket is then one tens
 in place by one Horovod allreduce, so Horovod copies nothing into or out of its fusion
 buffer. The buffers live as long as the reducer (one gradient-sized allocation, as DDP's
 buckets). The step's agreement vector, when this bucket carries it, is the buffer's tail.
-The division by the global count happens in the collective too (Horovod's postscale), by
-the count the reducer expects; in the rare step whose count differs, ``read_back``
-corrects it. With compression the buffer is in the narrow dtype instead: each gradient is
+The division by the global count happens before the sum, on the training thread, by the
+count the reducer expects (as DDP divides before its allreduce): Horovod's postscale would
+do it after, in one scalar loop on its background thread, which holds up every bucket
+queued behind (on 16 cores 100 MB of gradients took longer to scale than to sum). In the
+rare step whose count differs, ``read_back`` corrects it. With compression the buffer is in the narrow dtype instead: each gradient is
 cast into it when complete, and cast back and divided afterwards.
 """
 from __future__ import annotations
@@ -124,14 +126,15 @@ class Bucket:
                 self.put(position)
 
     def launch(self, collectives, expected_count: int | None = None) -> None:
-        """Start the sum; divided by ``expected_count`` on the way (not the narrow
-        buffer's values, nor a bucket carrying ``extra``)."""
+        """Start the sum of the gradients divided by ``expected_count`` (not the narrow
+        buffer's values, nor a bucket carrying ``extra``: those are divided afterwards)."""
         if self.narrow or self.extra is not None:
             expected_count = None
+        if expected_count and expected_count != 1:
+            self.flat.div_(expected_count)
         self.divided_by = expected_count
         self.launched_at = time.perf_counter()
-        self.request = collectives.allreduce_sum_async(
-            [self.flat], self.name, scale=1.0 / expected_count if expected_count else 1.0)
+        self.request = collectives.allreduce_sum_async([self.flat], self.name)
 
     def poll(self) -> None:
         if self.request is not None and self.done_at is None and self.request.done():

@@ -14,7 +14,7 @@ at once (an asynchronous grouped allreduce of its gradients, in place) while bac
 computes the rest; earlier microsteps only accumulate, so accumulation reduces once.
 ``finish`` sends what is left, with the agreement vector riding in the last bucket (the
 one holding the first layers, which backward finishes last), waits, and leaves the mean
-gradients in ``.grad``. The other buckets are divided inside the collective by the count
+gradients in ``.grad``. The other buckets are divided just before their sum by the count
 expected (the last step's, alike on every rank), so a steady run needs no pass over the
 gradients afterwards; only the last bucket, and any bucket of a step whose count
 differed, are divided here.

@@ -30,10 +30,9 @@ class Collectives(Protocol):
     def allreduce_sum(self, tensor: torch.Tensor, name: str) -> None:
         """Sum ``tensor`` over every rank, in place."""
 
-    def allreduce_sum_async(self, tensors: list[torch.Tensor], name: str, scale: float = 1.0) -> Request:
-        """Start summing each of ``tensors`` over every rank, in place, as one collective,
-        and multiplying the sums by ``scale``; they must not be touched until the request
-        is waited on."""
+    def allreduce_sum_async(self, tensors: list[torch.Tensor], name: str) -> Request:
+        """Start summing each of ``tensors`` over every rank, in place, as one collective;
+        they must not be touched until the request is waited on."""
 
     def allgather_object(self, obj, name: str) -> list:
         """Every rank's picklable ``obj``, in rank order."""
@@ -53,15 +52,12 @@ class Completed:
 
 
 class Alone:
-    """One process: every collective is the identity (times the scale asked for)."""
+    """One process: every collective is the identity."""
 
     def allreduce_sum(self, tensor, name):
         pass
 
-    def allreduce_sum_async(self, tensors, name, scale=1.0):
-        if scale != 1.0:
-            for tensor in tensors:
-                tensor.mul_(scale)
+    def allreduce_sum_async(self, tensors, name):
         return Completed()
 
     def allgather_object(self, obj, name):
@@ -79,11 +75,10 @@ class HorovodCollectives:
         if self.hvd.size() > 1:
             self.hvd.allreduce_(tensor, op=self.hvd.Sum, name=name)
 
-    def allreduce_sum_async(self, tensors, name, scale=1.0):
+    def allreduce_sum_async(self, tensors, name):
         if self.hvd.size() == 1:
-            return Alone().allreduce_sum_async(tensors, name, scale)
-        return HorovodRequest(self.hvd, self.hvd.grouped_allreduce_async_(
-            list(tensors), op=self.hvd.Sum, name=name, postscale_factor=scale))
+            return Completed()
+        return HorovodRequest(self.hvd, self.hvd.grouped_allreduce_async_(list(tensors), op=self.hvd.Sum, name=name))
 
     def allgather_object(self, obj, name):
         return self.hvd.allgather_object(obj, name=name) if self.hvd.size() > 1 else [obj]

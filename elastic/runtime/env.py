@@ -39,6 +39,7 @@ class Env:
     host: str = ""                  # HOROVOD_HOSTNAME, else this machine's name
     launched: LaunchedWorld = field(default_factory=LaunchedWorld)
     procs_per_machine: int = 0      # REGATTA_PROCS_PER_MACHINE (0: the local size)
+    threads: int = 0                # OMP_NUM_THREADS: torch threads per rank (0: share the cores)
     fast_recovery: bool = True      # REGATTA_FAST_RECOVERY (0: stock Horovod detection)
     audit: bool = False             # REGATTA_AUDIT=1: parameter hashes on commit/restore/sync
     run_id: str = ""                # REGATTA_RUN_ID: join this run (set by launchers)
@@ -60,6 +61,7 @@ class Env:
         return cls(launcher=launcher, elastic=env.get("HOROVOD_ELASTIC") == "1",
                    host=env.get("HOROVOD_HOSTNAME") or socket.gethostname(),
                    launched=_launched(env), procs_per_machine=_int(env, "REGATTA_PROCS_PER_MACHINE", 0),
+                   threads=_threads(env),
                    fast_recovery=env.get("REGATTA_FAST_RECOVERY", "1") == "1",
                    audit=env.get("REGATTA_AUDIT") == "1", run_id=env.get("REGATTA_RUN_ID", ""),
                    ingest_token=env.get("REGATTA_INGEST_TOKEN") or None,
@@ -83,6 +85,13 @@ def _int(env, name: str, default: int) -> int:
         return int(text)
     except ValueError:
         raise EnvError(f"{name} must be an integer, got {text!r}") from None
+
+
+def _threads(env) -> int:
+    threads = _int(env, "OMP_NUM_THREADS", 0)
+    if threads < 0:
+        raise EnvError(f"OMP_NUM_THREADS must be a positive integer, got {threads}")
+    return threads
 
 
 def _flag(env, name: str) -> bool | None:

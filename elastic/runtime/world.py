@@ -51,10 +51,13 @@ class World:
                    local_size=hvd.local_size(), host=host, generation=generation)
 
 
-def share_cores(world: World, env: Env) -> None:
+def share_cores(world: World, env: Env) -> int:
     """Several ranks on one machine must not each spin a thread per core: with 3 ranks on
     2 cores that oversubscription made steps 50x slower. ``regatta local`` says how many
-    processes share the machine (simulated hosts); otherwise the local size does."""
+    processes share the machine (simulated hosts); otherwise the local size does. An
+    ``OMP_NUM_THREADS`` the user set wins, as it does for torch alone. Returns the count."""
     import torch
     sharing = env.procs_per_machine or world.local_size
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // sharing))
+    threads = env.threads or max(1, (os.cpu_count() or 1) // sharing)
+    torch.set_num_threads(threads)
+    return threads
