@@ -10,7 +10,9 @@ Starts ``mpirun -np 2`` on itself (2 stages, one rank each) and prints:
   computing, so the two stages' work did not overlap as it should). Beside it the bubble
   the same steps would have had with free messages (each forward's and backward's measured
   time replayed through the schedule): the gap to the measured one is what the transport
-  costs, the gap to the ideal what unequal or varying compute times cost. The model is a stack
+  costs, the gap to the ideal what unequal or varying compute times cost. The measured
+  bubble is also split into the time spent waiting for messages and the rest (the
+  executor's own work between actions, zeroing the gradients between steps). The model is a stack
   of equal Linear+Tanh layers cut in two equal halves, so the stages are balanced as the
   formula assumes; the global batch stays fixed and is split into m microbatches.
 * peak autograd-saved activation bytes held on a stage, 1F1B / GPipe (ideal at stage 0:
@@ -71,20 +73,21 @@ def schedule_case(transport, grid, module, opts, schedule: str, m: int) -> dict:
     # Steps back to back, as in training: a stage's idle time at the end of one step (the
     # last stage waits for stage 0 to drain its backwards) shows up as waiting at the
     # start of the next, so busy / elapsed over many steps is each stage's true share.
-    busy, peak, started, cpu = 0.0, 0, time.perf_counter(), time.process_time()
+    busy, waited, peak, started, cpu = 0.0, 0.0, 0, time.perf_counter(), time.process_time()
     compute = []
     for _ in range(opts.steps):
         module.zero_grad(set_to_none=True)
         stats = run()
         busy += stats.busy_time
+        waited += stats.recv_wait + stats.send_wait
         peak = max(peak, stats.peak_activation_bytes)
         compute.append(stats.compute_times)
     elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
     transport.barrier()
     # cpu / busy < 1: the rank was descheduled while computing (other load on the cores),
     # which stretches busy phases that should overlap and inflates the bubble.
-    return {"bubble": 1 - busy / elapsed, "peak": peak, "cpu_per_busy": cpu / busy,
-            "compute": compute}
+    return {"bubble": 1 - busy / elapsed, "waiting": waited / elapsed, "peak": peak,
+            "cpu_per_busy": cpu / busy, "compute": compute}
 
 
 def ping(transport, peer: int, rank: int, tensor, repeats: int = 10) -> float:
@@ -171,7 +174,7 @@ def report(ranks: list[dict]) -> None:
     print(f"MPI transport's progress thread: {'on' if ranks[0]['progress_thread'] else 'off'}; "
           f"median [min-max] over {repeats} rounds")
     print(f"{'schedule':8} {'m':>2} {'ideal':>6} {'bubble':>6}   {'bubble / ideal':>16}   "
-          f"{'replayed / ideal':>16}   peak activations   cpu/busy")
+          f"{'replayed / ideal':>16}   waiting  other   peak activations   cpu/busy")
     for schedule in ("gpipe", "1f1b"):
         for m in MICROBATCHES:
             ideal = (p - 1) / (m + p - 1)
@@ -180,12 +183,16 @@ def report(ranks: list[dict]) -> None:
             replayed = [replayed_bubble(list(cases), schedule, m) for cases in rounds]
             peak = max(case["peak"] for cases in rounds for case in cases)
             cpu = min(case["cpu_per_busy"] for cases in rounds for case in cases)
+            waiting = statistics.median(statistics.mean(case["waiting"] for case in cases) for cases in rounds)
             print(f"{schedule:8} {m:2d} {ideal:6.3f} {statistics.median(measured):6.3f}   "
                   f"{spread([b / ideal for b in measured]):>16}   "
-                  f"{spread([b / ideal for b in replayed]):>16}   {peak / 2 ** 20:8.2f} MiB   {cpu:8.2f}")
+                  f"{spread([b / ideal for b in replayed]):>16}   {waiting:7.3f} "
+                  f"{statistics.median(measured) - waiting:6.3f}   {peak / 2 ** 20:8.2f} MiB   {cpu:8.2f}")
     print("replayed: the same steps' measured compute times with messages that cost nothing; "
           "bubble - replayed is the transport's share, replayed - ideal the compute times' "
-          "(stages of unequal or varying speed)")
+          "(stages of unequal or varying speed); the bubble split into waiting for messages "
+          "(and for the step's sends) and the other time that was not compute (the executor's "
+          "own work between actions, zeroing gradients)")
     print("\npeak activation bytes held, 1F1B / GPipe (stage 0; ideal min(p, m) / m):")
     for m in MICROBATCHES:
         one = ranks[0]["schedules"][f"1f1b:{m}"][0]["peak"]
