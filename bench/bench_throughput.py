@@ -89,8 +89,9 @@ def start(arm: str, model: str, run_dir: Path, overrides: list[str]) -> subproce
                    "--aliases", "--hosts", str(RANKS), "--steps", str(FOREVER), "--commit-every", str(FOREVER),
                    "--gloo-timeout", "3600", "--timeout", "36000", "--run-dir", str(run_dir),
                    "--", *job_args]
-    # Gloo on loopback, as horovodrun's --network-interface lo (all ranks are local)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    # Gloo on loopback, as horovodrun's --network-interface lo (all ranks are local). No
+    # OMP_NUM_THREADS of the bench's own: Regatta would follow it, the other arms not.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "lo"}
     run_dir.mkdir(parents=True, exist_ok=True)
     log = open(launcher_log(run_dir), "w")
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
