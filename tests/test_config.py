@@ -80,3 +80,9 @@ def test_threads_per_rank_come_from_omp_num_threads_else_the_shared_cores():
     for bad in ("-2", "two"):
         with pytest.raises(EnvError, match="OMP_NUM_THREADS"):
             Env.read({"OMP_NUM_THREADS": bad})
+
+
+def test_horovod_starts_with_regattas_cycle_time_unless_the_environment_names_one():
+    from elastic.runtime.env import Env
+    assert dict(Env.read({}).horovod_defaults) == {"HOROVOD_CYCLE_TIME": "5"}
+    assert Env.read({"HOROVOD_CYCLE_TIME": "1"}).horovod_defaults == ()

@@ -9,6 +9,7 @@ process, ``mpirun``, ``horovodrun`` elastic (``hvd.elastic.run`` re-enters ``loo
 from __future__ import annotations
 
 import json
+import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -79,6 +80,7 @@ class Runtime:
         started = time.time()
         if engine.uses_horovod:
             import horovod.torch as hvd
+            os.environ.update(self.env.horovod_defaults)   # read by hvd.init, and on every reset
             hvd.init()
             self.hvd, self.collectives = hvd, HorovodCollectives(hvd)
             self.world = World.from_horovod(hvd, self.env.host)
