@@ -183,11 +183,12 @@ def report(ranks: list[dict]) -> None:
             replayed = [replayed_bubble(list(cases), schedule, m) for cases in rounds]
             peak = max(case["peak"] for cases in rounds for case in cases)
             cpu = min(case["cpu_per_busy"] for cases in rounds for case in cases)
-            waiting = statistics.median(statistics.mean(case["waiting"] for case in cases) for cases in rounds)
+            waiting = [statistics.mean(case["waiting"] for case in cases) for cases in rounds]
+            other = [b - w for b, w in zip(measured, waiting)]   # per round, then the median
             print(f"{schedule:8} {m:2d} {ideal:6.3f} {statistics.median(measured):6.3f}   "
                   f"{spread([b / ideal for b in measured]):>16}   "
-                  f"{spread([b / ideal for b in replayed]):>16}   {waiting:7.3f} "
-                  f"{statistics.median(measured) - waiting:6.3f}   {peak / 2 ** 20:8.2f} MiB   {cpu:8.2f}")
+                  f"{spread([b / ideal for b in replayed]):>16}   {statistics.median(waiting):7.3f} "
+                  f"{statistics.median(other):6.3f}   {peak / 2 ** 20:8.2f} MiB   {cpu:8.2f}")
     print("replayed: the same steps' measured compute times with messages that cost nothing; "
           "bubble - replayed is the transport's share, replayed - ideal the compute times' "
           "(stages of unequal or varying speed); the bubble split into waiting for messages "

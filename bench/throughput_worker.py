@@ -42,7 +42,8 @@ def job_and_config(model: str, argv: list[str]):
 
 
 def share_cores(size_here: int) -> int:
-    """The thread count Regatta's runtime picks (runtime/world.py share_cores)."""
+    """The thread count Regatta's runtime picks where no OMP_NUM_THREADS is set
+    (runtime/world.py share_cores)."""
     threads = max(1, (os.cpu_count() or 1) // max(1, size_here))
     torch.set_num_threads(threads)
     return threads

@@ -73,16 +73,24 @@ def test_threads_per_rank_come_from_omp_num_threads_else_the_shared_cores():
         world = World(rank=0, size=4, local_rank=0, local_size=4, host="h")
         assert share_cores(world, Env.read({})) == max(1, cores // 4)
         assert share_cores(world, Env.read({"REGATTA_PROCS_PER_MACHINE": "1"})) == cores
-        assert share_cores(world, Env.read({"OMP_NUM_THREADS": "3"})) == 3
-        assert torch.get_num_threads() == 3
+        assert share_cores(world, Env.read({"OMP_NUM_THREADS": "1"})) == 1
+        with pytest.warns(UserWarning, match=f"OMP_NUM_THREADS={cores + 1} for each of 4 processes"):
+            assert share_cores(world, Env.read({"OMP_NUM_THREADS": str(cores + 1)})) == cores + 1
+        assert torch.get_num_threads() == cores + 1
     finally:
         torch.set_num_threads(before)
-    for bad in ("-2", "two"):
+    assert Env.read({"OMP_NUM_THREADS": "4,2"}).threads == 4   # OpenMP's nested levels
+    for bad in ("-2", "two", "0"):
         with pytest.raises(EnvError, match="OMP_NUM_THREADS"):
             Env.read({"OMP_NUM_THREADS": bad})
 
 
-def test_horovod_starts_with_regattas_cycle_time_unless_the_environment_names_one():
+def test_horovod_on_the_cpu_starts_with_regattas_cycle_time_unless_the_environment_names_one():
     from elastic.runtime.env import Env
+    from elastic.runtime.device import wants_cpu
     assert dict(Env.read({}).horovod_defaults) == {"HOROVOD_CYCLE_TIME": "5"}
     assert Env.read({"HOROVOD_CYCLE_TIME": "1"}).horovod_defaults == ()
+    assert Env.read({"HOROVOD_AUTOTUNE": "1"}).horovod_defaults == ()   # it would fix the cycle
+    # only for training on the CPU (on a GPU the CPU has room for Horovod's thread)
+    assert [wants_cpu(r) for r in ("", "cpu", "CPU", "cuda", "cuda:1")] == [True, True, True, False, False]
+    assert wants_cpu("auto") == (not __import__("torch").cuda.is_available())

@@ -94,7 +94,7 @@ class Bucket:
     def reset(self) -> None:
         self.filled.clear()
         self.request = self.launched_at = self.done_at = None
-        self.divided_by: int | None = None  # the count the collective already divided by
+        self.divided_by: int | None = None  # the count launch already divided by
         self.summed = False                 # waited on, and it succeeded
 
     def _slot(self, position: int) -> torch.Tensor:

@@ -6,6 +6,13 @@ import torch
 from elastic.config import ConfigError
 
 
+def wants_cpu(request: str | None) -> bool:
+    """Whether ``request`` (as :func:`choose_device` takes it) means the CPU; an invalid
+    one is :func:`choose_device`'s to name."""
+    text = (request or "cpu").strip().lower()
+    return text == "cpu" or (text == "auto" and not torch.cuda.is_available())
+
+
 def choose_device(request: str | None = None, local_rank: int = 0) -> torch.device:
     """``request``: ``cpu``, ``cuda`` (this rank's GPU), ``cuda:N``, or ``auto`` (cuda when
     available, else cpu); empty means cpu, so no run changes device unasked

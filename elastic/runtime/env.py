@@ -32,13 +32,18 @@ class LaunchedWorld:
     local_size: int = 1
 
 
-# Horovod settings Regatta starts Horovod with where the environment names none.
-# HOROVOD_CYCLE_TIME: Horovod's background thread runs a negotiation round (a Gloo
-# collective, with work for Gloo's socket thread) every cycle, busy or idle: at Horovod's
-# 1 ms those two threads took a fifth of a rank's CPU beside its training thread (charlm, 2
-# ranks on 2 cores, per-thread CPU over 90 s), CPU the training thread lacked. At 5 ms a
-# bucket may wait up to 5 ms longer to start, mostly behind backward. bench_throughput on
-# that machine, Regatta / DDP: charlm 0.78 -> 0.86, mlp 0.89 -> 1.03 (runs of 5 turns).
+# Horovod settings Regatta starts Horovod with, for training on the CPU, where the
+# environment names none (and HOROVOD_AUTOTUNE is off: a value in the environment fixes it).
+# HOROVOD_CYCLE_TIME: Horovod's background thread runs a negotiation round (a collective:
+# Gloo's under horovodrun elastic, with work for Gloo's socket thread) every cycle, busy or
+# idle. At Horovod's 1 ms those two threads took a fifth of a rank's CPU beside its training
+# thread (charlm, 2 ranks on 2 cores, per-thread CPU over 90 s), CPU the training threads,
+# which fill the cores, lacked. At 5 ms a bucket may wait up to 5 ms longer to start: behind
+# backward for all but the last (the agreement's), on every step's path, and so every
+# object collective of a commit or a restore. Measured on that machine with the cycle set
+# for both Horovod arms alike, Regatta / DDP (charlm, one run each): 1 ms 0.78, 2.5 ms
+# 0.84, 5 ms 0.89, 10 ms 0.86. On a GPU the CPU has room for the thread while the latency
+# still counts: Horovod's default stays there.
 HOROVOD_DEFAULTS = {"HOROVOD_CYCLE_TIME": "5"}
 
 
@@ -82,7 +87,7 @@ class Env:
                    mpi_progress=_flag(env, "REGATTA_MPI_PROGRESS"),
                    pipe_init=env.get("REGATTA_PIPE_INIT", ""), launch_key=_launch_key(env),
                    replacing=bool(env.get(HANDOFF_ENV)),
-                   horovod_defaults=tuple((k, v) for k, v in HOROVOD_DEFAULTS.items() if k not in env))
+                   horovod_defaults=_horovod_defaults(env))
 
     def slow_factor(self, rank: int, host: str) -> float:
         """The slowdown injected into this rank: by rank, else the fault plan's by host."""
@@ -100,10 +105,20 @@ def _int(env, name: str, default: int) -> int:
 
 
 def _threads(env) -> int:
-    threads = _int(env, "OMP_NUM_THREADS", 0)
-    if threads < 0:
-        raise EnvError(f"OMP_NUM_THREADS must be a positive integer, got {threads}")
-    return threads
+    """OpenMP's first level of ``OMP_NUM_THREADS`` (it may list one per nesting level)."""
+    text = env.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if not text:
+        return 0
+    if not text.isdigit() or int(text) < 1:
+        raise EnvError(f"OMP_NUM_THREADS must be a positive integer (or a comma-separated "
+                       f"list of them), got {env['OMP_NUM_THREADS']!r}")
+    return int(text)
+
+
+def _horovod_defaults(env) -> tuple:
+    if _flag(env, "HOROVOD_AUTOTUNE"):
+        return ()
+    return tuple((name, value) for name, value in HOROVOD_DEFAULTS.items() if name not in env)
 
 
 def _flag(env, name: str) -> bool | None:

@@ -25,6 +25,7 @@ from elastic.whole_files import replace_text
 from .collectives import Alone, HorovodCollectives, MpiCollectives
 from .commit_policy import CommitPolicy
 from .control import Pending
+from .device import wants_cpu
 from .env import Env
 from .checkpoint_records import Checkpoints
 from .events import EventLog, Progress
@@ -80,7 +81,8 @@ class Runtime:
         started = time.time()
         if engine.uses_horovod:
             import horovod.torch as hvd
-            os.environ.update(self.env.horovod_defaults)   # read by hvd.init, and on every reset
+            if wants_cpu(self.cfg.device or self.env.device):   # env.py says why
+                os.environ.update(self.env.horovod_defaults)   # read by hvd.init, and on every reset
             hvd.init()
             self.hvd, self.collectives = hvd, HorovodCollectives(hvd)
             self.world = World.from_horovod(hvd, self.env.host)

@@ -6,6 +6,7 @@ whatever needs rank, size or placement. Nothing reads these from globals.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
 from .env import Env
@@ -58,6 +59,10 @@ def share_cores(world: World, env: Env) -> int:
     ``OMP_NUM_THREADS`` the user set wins, as it does for torch alone. Returns the count."""
     import torch
     sharing = env.procs_per_machine or world.local_size
-    threads = env.threads or max(1, (os.cpu_count() or 1) // sharing)
+    cores = os.cpu_count() or 1
+    threads = env.threads or max(1, cores // sharing)
+    if env.threads > 1 and threads * sharing > cores:
+        warnings.warn(f"OMP_NUM_THREADS={threads} for each of {sharing} processes on {cores} cores: "
+                      f"more threads than cores slows every step", stacklevel=2)
     torch.set_num_threads(threads)
     return threads

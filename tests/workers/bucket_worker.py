@@ -21,7 +21,7 @@ from torch import nn
 TWO_STEPS = [[(range(0, 33), True)], [(range(40, 77), True)]]
 CASES = {
     "plain": dict(steps=TWO_STEPS),
-    # equal counts: from the second step on, the collective divides by the right count
+    # equal counts: from the second step on, launch divides by the right count
     "steady": dict(steps=[[(range(0, 33), True)], [(range(33, 66), True)], [(range(66, 99), True)]]),
     "in_place": dict(steps=TWO_STEPS, set_to_none=False),
     "rebuilt": dict(steps=TWO_STEPS, rebuild=True),
