@@ -52,6 +52,8 @@ class TrainConfig:
     bucket_mb: float = 25.0         # gradients sent together, as Horovod's fusion threshold
                                     # (0: one collective per parameter)
     compression: str = "none"       # none | fp16: gradients on the wire as float16
+    horovod_cycle_ms: float = 0.0   # Horovod's cycle (0: 5 training on the CPU, Horovod's 1
+                                    # on a GPU; see runtime/collectives.py horovod_cycle_ms)
 
     def __post_init__(self) -> None:
         _require(self.steps > 0, f"train.steps must be > 0, got {self.steps}")
@@ -72,6 +74,7 @@ class TrainConfig:
         _require(self.eval_every >= 0, f"train.eval_every must be >= 0, got {self.eval_every}")
         _require(self.stall_after > 0, f"train.stall_after must be > 0, got {self.stall_after}")
         _require(self.bucket_mb >= 0, f"train.bucket_mb must be >= 0, got {self.bucket_mb}")
+        _require(self.horovod_cycle_ms >= 0, f"train.horovod_cycle_ms must be >= 0, got {self.horovod_cycle_ms}")
         _require(self.compression in ("none", "fp16"),
                  f"train.compression must be 'none' or 'fp16' (Horovod 0.28.1 has no bfloat16 "
                  f"allreduce), got {self.compression!r}")

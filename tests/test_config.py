@@ -2,6 +2,7 @@
 import subprocess
 
 import pytest
+import torch
 
 from conftest import PYTHON, ROOT
 from elastic.config import ConfigError, TrainConfig, load, parse_overrides
@@ -85,12 +86,22 @@ def test_threads_per_rank_come_from_omp_num_threads_else_the_shared_cores():
             Env.read({"OMP_NUM_THREADS": bad})
 
 
-def test_horovod_on_the_cpu_starts_with_regattas_cycle_time_unless_the_environment_names_one():
-    from elastic.runtime.env import Env
+def test_horovods_cycle_is_5_ms_on_the_cpu_unless_the_job_or_the_environment_names_one():
+    from elastic.runtime.collectives import horovod_cycle_ms
     from elastic.runtime.device import wants_cpu
-    assert dict(Env.read({}).horovod_defaults) == {"HOROVOD_CYCLE_TIME": "5"}
-    assert Env.read({"HOROVOD_CYCLE_TIME": "1"}).horovod_defaults == ()
-    assert Env.read({"HOROVOD_AUTOTUNE": "1"}).horovod_defaults == ()   # it would fix the cycle
-    # only for training on the CPU (on a GPU the CPU has room for Horovod's thread)
+    from elastic.runtime.env import Env, EnvError
+    assert [horovod_cycle_ms(0, False, on_cpu) for on_cpu in (True, False)] == [5.0, None]
+    assert horovod_cycle_ms(1, False, True) == horovod_cycle_ms(1, False, False) == 1
+    assert horovod_cycle_ms(2.5, True, True) is None   # the environment's wins
+    assert [Env.read(env).horovod_cycle_given for env in
+            ({}, {"HOROVOD_CYCLE_TIME": "1"}, {"HOROVOD_AUTOTUNE": "1"}, {"HOROVOD_AUTOTUNE": "0"})] == \
+        [False, True, True, False]                        # a set cycle would pin the autotuner's
+    assert Env.read({"HOROVOD_CYCLE_TIME": "2.5"}).horovod_cycle_time == 2.5
+    for bad in ("fast", "-1", "nan"):
+        with pytest.raises(EnvError, match="HOROVOD_CYCLE_TIME must be a number of milliseconds"):
+            Env.read({"HOROVOD_CYCLE_TIME": bad})
     assert [wants_cpu(r) for r in ("", "cpu", "CPU", "cuda", "cuda:1")] == [True, True, True, False, False]
-    assert wants_cpu("auto") == (not __import__("torch").cuda.is_available())
+    assert wants_cpu("auto") == (not torch.cuda.is_available())
+    assert TrainConfig().horovod_cycle_ms == 0
+    with pytest.raises(ConfigError, match="train.horovod_cycle_ms must be >= 0"):
+        TrainConfig(horovod_cycle_ms=-1)

@@ -33,6 +33,8 @@ def test_finishes_on_the_survivors(kill_run):
     tmp, report = kill_run
     assert report["exit_code"] == 0 and report["final_step"] == STEPS
     assert report["final_world_size"] == 2 and report["metrics"]["accuracy"] > 0.5
+    # a script of its own on the CPU, no cycle named: Regatta's 5 ms, in every worker
+    assert {e["horovod_cycle_ms"] for e in kinds(report, "start")} == {5.0}
     (restore,) = {(e["step"], e["steps_redone"]) for e in kinds(report, "restore")}
     assert restore == (30, KILL_AT - 30)
 

@@ -67,6 +67,32 @@ class Alone:
         return obj
 
 
+CPU_CYCLE_MS = 5.0
+
+
+def horovod_cycle_ms(requested: float, given_by_env: bool, on_cpu: bool) -> float | None:
+    """The cycle (``HOROVOD_CYCLE_TIME``) to start Horovod with; None leaves Horovod's.
+
+    Horovod's background thread runs a negotiation round (a collective: Gloo's under
+    horovodrun elastic, with work for Gloo's socket thread) every cycle, busy or idle. At
+    Horovod's 1 ms those two threads took a fifth of a rank's CPU beside its training thread
+    (charlm, 2 ranks on 2 cores, per-thread CPU over 90 s), CPU the training threads, which
+    fill the cores, lacked. At 5 ms a collective may wait up to 5 ms longer to start: behind
+    backward for every bucket but the last (the agreement's), which is on every step's path.
+    Measured there with the cycle set for both Horovod arms alike, Regatta / DDP (charlm, one
+    run each): 1 ms 0.78, 2.5 ms 0.84, 5 ms 0.89, 10 ms 0.86; recovery unchanged
+    (bench_recovery, 3 runs each: failure 0.29 s at 5 ms, 0.32 s at 1 ms). A model whose
+    step is mostly that latency loses instead (digits: about 6.5 ms a step against 5.3),
+    hence ``train.horovod_cycle_ms``. On a GPU the CPU has room for the thread while the
+    latency still counts: Horovod's default stays. An environment that sets the cycle, or
+    turns on Horovod's autotuning (which a set cycle would pin), decides alone."""
+    if given_by_env:
+        return None
+    if requested > 0:
+        return requested
+    return CPU_CYCLE_MS if on_cpu else None
+
+
 class HorovodCollectives:
     def __init__(self, hvd):
         self.hvd = hvd

@@ -32,21 +32,6 @@ class LaunchedWorld:
     local_size: int = 1
 
 
-# Horovod settings Regatta starts Horovod with, for training on the CPU, where the
-# environment names none (and HOROVOD_AUTOTUNE is off: a value in the environment fixes it).
-# HOROVOD_CYCLE_TIME: Horovod's background thread runs a negotiation round (a collective:
-# Gloo's under horovodrun elastic, with work for Gloo's socket thread) every cycle, busy or
-# idle. At Horovod's 1 ms those two threads took a fifth of a rank's CPU beside its training
-# thread (charlm, 2 ranks on 2 cores, per-thread CPU over 90 s), CPU the training threads,
-# which fill the cores, lacked. At 5 ms a bucket may wait up to 5 ms longer to start: behind
-# backward for all but the last (the agreement's), on every step's path, and so every
-# object collective of a commit or a restore. Measured on that machine with the cycle set
-# for both Horovod arms alike, Regatta / DDP (charlm, one run each): 1 ms 0.78, 2.5 ms
-# 0.84, 5 ms 0.89, 10 ms 0.86. On a GPU the CPU has room for the thread while the latency
-# still counts: Horovod's default stays there.
-HOROVOD_DEFAULTS = {"HOROVOD_CYCLE_TIME": "5"}
-
-
 @dataclass(frozen=True)
 class Env:
     launcher: str = "single"        # horovodrun | mpirun | single
@@ -67,7 +52,8 @@ class Env:
     pipe_init: str = ""             # REGATTA_PIPE_INIT: torch.distributed init method
     launch_key: str = ""            # what every process of one launch shares (run ids)
     replacing: bool = False         # REGATTA_HANDOFF set: this worker takes a failed one's place
-    horovod_defaults: tuple = ()    # HOROVOD_DEFAULTS the environment does not set: (name, value)
+    horovod_cycle_time: float | None = None   # HOROVOD_CYCLE_TIME (ms), when set
+    horovod_autotune: bool = False  # HOROVOD_AUTOTUNE on (a set cycle would pin its tuning)
 
     @classmethod
     def read(cls, environ: dict | None = None) -> "Env":
@@ -87,7 +73,13 @@ class Env:
                    mpi_progress=_flag(env, "REGATTA_MPI_PROGRESS"),
                    pipe_init=env.get("REGATTA_PIPE_INIT", ""), launch_key=_launch_key(env),
                    replacing=bool(env.get(HANDOFF_ENV)),
-                   horovod_defaults=_horovod_defaults(env))
+                   horovod_cycle_time=_milliseconds(env, "HOROVOD_CYCLE_TIME"),
+                   horovod_autotune=bool(_flag(env, "HOROVOD_AUTOTUNE")))
+
+    @property
+    def horovod_cycle_given(self) -> bool:
+        """The environment decides Horovod's cycle: it sets one, or Horovod tunes it."""
+        return self.horovod_cycle_time is not None or self.horovod_autotune
 
     def slow_factor(self, rank: int, host: str) -> float:
         """The slowdown injected into this rank: by rank, else the fault plan's by host."""
@@ -115,10 +107,17 @@ def _threads(env) -> int:
     return int(text)
 
 
-def _horovod_defaults(env) -> tuple:
-    if _flag(env, "HOROVOD_AUTOTUNE"):
-        return ()
-    return tuple((name, value) for name, value in HOROVOD_DEFAULTS.items() if name not in env)
+def _milliseconds(env, name: str) -> float | None:
+    text = env.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise EnvError(f"{name} must be a number of milliseconds >= 0, got {text!r}")
+    return value
 
 
 def _flag(env, name: str) -> bool | None:

@@ -22,7 +22,7 @@ from elastic.recovery import FastRecovery
 from elastic.liveness import Heartbeat
 from elastic.whole_files import replace_text
 
-from .collectives import Alone, HorovodCollectives, MpiCollectives
+from .collectives import Alone, HorovodCollectives, MpiCollectives, horovod_cycle_ms
 from .commit_policy import CommitPolicy
 from .control import Pending
 from .device import wants_cpu
@@ -78,11 +78,13 @@ class Runtime:
         self.registration = EarlyRegistration() if engine.uses_horovod and self.env.elastic else None
         if self.recovery:
             self.recovery.before_init()
-        started = time.time()
+        started, cycle = time.time(), None
         if engine.uses_horovod:
             import horovod.torch as hvd
-            if wants_cpu(self.cfg.device or self.env.device):   # env.py says why
-                os.environ.update(self.env.horovod_defaults)   # read by hvd.init, and on every reset
+            cycle = horovod_cycle_ms(self.cfg.horovod_cycle_ms, self.env.horovod_cycle_given,
+                                     wants_cpu(self.cfg.device or self.env.device))
+            if cycle is not None:   # read by hvd.init, and again on every reset
+                os.environ["HOROVOD_CYCLE_TIME"] = f"{cycle:g}"
             hvd.init()
             self.hvd, self.collectives = hvd, HorovodCollectives(hvd)
             self.world = World.from_horovod(hvd, self.env.host)
@@ -96,7 +98,8 @@ class Runtime:
         self.events.record("start", None, size=self.world.size, elastic=self.env.elastic,
                            engine=engine.name, fast_recovery=bool(self.recovery),
                            process_created=process_started(), runtime_created=self.created,
-                           init_started=started)
+                           init_started=started,
+                           horovod_cycle_ms=cycle if cycle is not None else self.env.horovod_cycle_time)
         self.sampler = HostSampler(self.sink, self.run_id, self.world.host, self.world.slot)
         if self.world.is_root and not self.env.replacing:   # once a run: 0.2 s of a recovery
             self.events.record("calibration", None, memcpy_bytes_per_s=memcpy_bandwidth())
