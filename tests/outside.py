@@ -59,12 +59,18 @@ class LocalRun:
             time.sleep(0.05)
 
     def kill(self, hosts) -> float:
-        """SIGKILL the training process of every host in ``hosts``, back to back."""
+        """SIGKILL the training process of every host in ``hosts``, together: each is
+        stopped first, so none can see another die and record a recovery of its own should
+        this process be descheduled between two kills (a loaded CI machine did: a victim
+        restored before its own kill). A stop closes no socket; the peers see only the
+        kills. Returns the time just before the kills."""
         pids = {}
         for event in self.events():
             if event["kind"] == "start":
                 pids[event["host"]] = event["pid"]
         targets = [outside_pid(host, pids[host]) for host in hosts]   # found first: kills back to back
+        for pid in targets:
+            os.kill(pid, signal.SIGSTOP)
         now = time.time()
         for pid in targets:
             os.kill(pid, signal.SIGKILL)
