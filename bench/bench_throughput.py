@@ -18,9 +18,10 @@ arm alike, and no arm pays another's start-up.
 
 Same job, data split, optimizer, global batch and threads per rank everywhere (an
 ``OMP_NUM_THREADS`` in the environment changes Regatta's alone, which follows it; the table
-says each arm's threads); Regatta commits only at its start (as the stock loop's TorchState does). An arm's rate in a turn
-is its rank 0's steps that ended inside the turn, over the time between the first and the
-last of them (a step cut by a stop is not counted). Prints steps/s and samples/s (median,
+says each arm's threads); Regatta commits only at its start (as the stock loop's
+TorchState does). An arm's rate in a turn is its rank 0's steps that ended inside the
+turn, over the time between the first and the last of them (a step cut by a stop is not
+counted). Prints steps/s and samples/s (median,
 min, max over the rounds), the ratios per round (median and range), Regatta's overlap and
 exposed communication, the bus bandwidth a plain allreduce of the gradients reaches over
 each transport against the memory-copy bound, the peak RSS per rank (VmHWM), and

@@ -10,9 +10,9 @@ buckets). The step's agreement vector, when this bucket carries it, is the buffe
 The division by the global count happens before the sum, on the training thread, by the
 count the reducer expects (as DDP divides before its allreduce): Horovod's postscale would
 do it after, in one scalar loop on its background thread, which holds up every bucket
-queued behind (on 16 cores 100 MB of gradients took longer to scale than to sum). In the
-rare step whose count differs, ``read_back`` corrects it. With compression the buffer is in the narrow dtype instead: each gradient is
-cast into it when complete, and cast back and divided afterwards.
+queued behind it. In the rare step whose count differs, ``read_back`` corrects it. With
+compression the buffer is in the narrow dtype instead: each gradient is cast into it when
+complete, and cast back and divided afterwards.
 """
 from __future__ import annotations
 

@@ -104,7 +104,8 @@ class HorovodCollectives:
     def allreduce_sum_async(self, tensors, name):
         if self.hvd.size() == 1:
             return Completed()
-        return HorovodRequest(self.hvd, self.hvd.grouped_allreduce_async_(list(tensors), op=self.hvd.Sum, name=name))
+        return HorovodRequest(self.hvd, self.hvd.grouped_allreduce_async_(
+            list(tensors), op=self.hvd.Sum, name=name))
 
     def allgather_object(self, obj, name):
         return self.hvd.allgather_object(obj, name=name) if self.hvd.size() > 1 else [obj]
