@@ -82,7 +82,8 @@ def horovod_cycle_ms(requested: float, given_by_env: bool, on_cpu: bool) -> floa
     Measured there with the cycle set for both Horovod arms alike, Regatta / DDP (charlm, one
     run each): 1 ms 0.78, 2.5 ms 0.84, 5 ms 0.89, 10 ms 0.86; recovery unchanged
     (bench_recovery, 3 runs each: failure 0.29 s at 5 ms, 0.32 s at 1 ms). A model whose
-    step is mostly that latency loses instead (digits: about 6.5 ms a step against 5.3),
+    step is mostly that latency loses instead (digits, 1500 steps: 16.0-16.7 s against
+    13.6-15.5 s, start-up included),
     hence ``train.horovod_cycle_ms``. On a GPU the CPU has room for the thread while the
     latency still counts: Horovod's default stays. An environment that sets the cycle, or
     turns on Horovod's autotuning (which a set cycle would pin), decides alone."""
