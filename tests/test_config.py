@@ -90,10 +90,11 @@ def test_horovods_cycle_is_5_ms_on_the_cpu_unless_the_job_or_the_environment_nam
     from elastic.runtime.collectives import horovod_cycle_ms
     from elastic.runtime.device import wants_cpu
     from elastic.runtime.env import Env, EnvError
-    assert [horovod_cycle_ms(0, False, on_cpu) for on_cpu in (True, False)] == [5.0, None]
-    assert horovod_cycle_ms(1, False, True) == horovod_cycle_ms(1, False, False) == 1
-    assert horovod_cycle_ms(2.5, True, True) is None   # the environment's wins
-    assert [Env.read(env).horovod_cycle_given for env in
+    unset = Env.read({})
+    assert [horovod_cycle_ms(0, unset, on_cpu) for on_cpu in (True, False)] == [5.0, None]
+    assert horovod_cycle_ms(1, unset, True) == horovod_cycle_ms(1, unset, False) == 1
+    assert horovod_cycle_ms(2.5, Env.read({"HOROVOD_CYCLE_TIME": "1"}), True) is None   # the environment's wins
+    assert [horovod_cycle_ms(2.5, Env.read(env), True) is None for env in
             ({}, {"HOROVOD_CYCLE_TIME": "1"}, {"HOROVOD_AUTOTUNE": "1"}, {"HOROVOD_AUTOTUNE": "0"})] == \
         [False, True, True, False]                        # a set cycle would pin the autotuner's
     assert Env.read({"HOROVOD_CYCLE_TIME": "2.5"}).horovod_cycle_time == 2.5

@@ -13,9 +13,12 @@ must be waited on exactly once; ``wait`` raises the collective's failure (under 
 """
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import torch
+
+from .device import wants_cpu
 
 
 class Request(Protocol):
@@ -70,7 +73,19 @@ class Alone:
 CPU_CYCLE_MS = 5.0
 
 
-def horovod_cycle_ms(requested: float, given_by_env: bool, on_cpu: bool) -> float | None:
+def start_horovod(cfg, env):
+    """``hvd.init`` with the cycle :func:`horovod_cycle_ms` picks, left in the environment
+    (Horovod reads it again on every reset). Returns the module and the cycle in effect
+    (None: Horovod's own default or its autotuner's)."""
+    import horovod.torch as hvd
+    cycle = horovod_cycle_ms(cfg.horovod_cycle_ms, env, wants_cpu(cfg.device or env.device))
+    if cycle is not None:
+        os.environ["HOROVOD_CYCLE_TIME"] = f"{cycle:g}"
+    hvd.init()
+    return hvd, cycle if cycle is not None else env.horovod_cycle_time
+
+
+def horovod_cycle_ms(requested: float, env, on_cpu: bool) -> float | None:
     """The cycle (``HOROVOD_CYCLE_TIME``) to start Horovod with; None leaves Horovod's.
 
     Horovod's background thread runs a negotiation round (a collective: Gloo's under
@@ -87,7 +102,7 @@ def horovod_cycle_ms(requested: float, given_by_env: bool, on_cpu: bool) -> floa
     hence ``train.horovod_cycle_ms``. On a GPU the CPU has room for the thread while the
     latency still counts: Horovod's default stays. An environment that sets the cycle, or
     turns on Horovod's autotuning (which a set cycle would pin), decides alone."""
-    if given_by_env:
+    if env.horovod_cycle_time is not None or env.horovod_autotune:
         return None
     if requested > 0:
         return requested

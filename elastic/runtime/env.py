@@ -76,11 +76,6 @@ class Env:
                    horovod_cycle_time=_milliseconds(env, "HOROVOD_CYCLE_TIME"),
                    horovod_autotune=bool(_flag(env, "HOROVOD_AUTOTUNE")))
 
-    @property
-    def horovod_cycle_given(self) -> bool:
-        """The environment decides Horovod's cycle: it sets one, or Horovod tunes it."""
-        return self.horovod_cycle_time is not None or self.horovod_autotune
-
     def slow_factor(self, rank: int, host: str) -> float:
         """The slowdown injected into this rank: by rank, else the fault plan's by host."""
         return dict(self.slow_ranks).get(rank, float(self.faults.slow.get(host, 1.0)))

@@ -9,7 +9,6 @@ process, ``mpirun``, ``horovodrun`` elastic (``hvd.elastic.run`` re-enters ``loo
 from __future__ import annotations
 
 import json
-import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,10 +21,9 @@ from elastic.recovery import FastRecovery
 from elastic.liveness import Heartbeat
 from elastic.whole_files import replace_text
 
-from .collectives import Alone, HorovodCollectives, MpiCollectives, horovod_cycle_ms
+from .collectives import Alone, HorovodCollectives, MpiCollectives, start_horovod
 from .commit_policy import CommitPolicy
 from .control import Pending
-from .device import wants_cpu
 from .env import Env
 from .checkpoint_records import Checkpoints
 from .events import EventLog, Progress
@@ -80,12 +78,7 @@ class Runtime:
             self.recovery.before_init()
         started, cycle = time.time(), None
         if engine.uses_horovod:
-            import horovod.torch as hvd
-            cycle = horovod_cycle_ms(self.cfg.horovod_cycle_ms, self.env.horovod_cycle_given,
-                                     wants_cpu(self.cfg.device or self.env.device))
-            if cycle is not None:   # read by hvd.init, and again on every reset
-                os.environ["HOROVOD_CYCLE_TIME"] = f"{cycle:g}"
-            hvd.init()
+            hvd, cycle = start_horovod(self.cfg, self.env)
             self.hvd, self.collectives = hvd, HorovodCollectives(hvd)
             self.world = World.from_horovod(hvd, self.env.host)
         elif self.world.size > 1:
@@ -98,8 +91,7 @@ class Runtime:
         self.events.record("start", None, size=self.world.size, elastic=self.env.elastic,
                            engine=engine.name, fast_recovery=bool(self.recovery),
                            process_created=process_started(), runtime_created=self.created,
-                           init_started=started,
-                           horovod_cycle_ms=cycle if cycle is not None else self.env.horovod_cycle_time)
+                           init_started=started, horovod_cycle_ms=cycle)
         self.sampler = HostSampler(self.sink, self.run_id, self.world.host, self.world.slot)
         if self.world.is_root and not self.env.replacing:   # once a run: 0.2 s of a recovery
             self.events.record("calibration", None, memcpy_bytes_per_s=memcpy_bandwidth())
