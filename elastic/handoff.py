@@ -21,8 +21,8 @@ class Handoff:
     and the sync takes the bytes from the others."""
 
     def __init__(self, path: Path, state, predecessor: Path | None = None,
-                 placed: bool = False) -> None:
-        self.path = path
+                 placed: bool = False, step: int | None = None) -> None:
+        self.path, self.step = path, step   # the step of the commit it hands over
         self._lock = threading.Lock()   # a description never outlives the withdrawal
         self._withdrawn = False
         self.describe(restart.current_slot(), placed)
@@ -38,7 +38,7 @@ class Handoff:
     def describe(self, slot: int, placed: bool = False) -> None:
         with self._lock:
             if not self._withdrawn:
-                restart.describe_handoff(self.path, slot, placed)
+                restart.describe_handoff(self.path, slot, placed, self.step)
 
     def _write(self, state) -> None:
         if state is not None:

@@ -174,11 +174,12 @@ def take_assignment(host: str) -> bool:
     return True
 
 
-def describe_handoff(path: Path, slot: int, placed: bool = False) -> None:
-    """Beside the hand-off: the slot it belongs to now (local ranks move on resets), and
-    whether the driver has placed it in the world forming. Written whole or not at all:
-    the agent reads its presence and ``placed``, the replacement its slot."""
-    replace_text(f"{path}.json", json.dumps({"slot": slot, "placed": placed}))
+def describe_handoff(path: Path, slot: int, placed: bool = False, step: int | None = None) -> None:
+    """Beside the hand-off: the slot it belongs to now (local ranks move on resets),
+    whether the driver has placed it in the world forming, and the step it carries (None:
+    a fresh worker's). Written whole or not at all: the agent reads its presence and
+    ``placed``, the replacement its slot and step."""
+    replace_text(f"{path}.json", json.dumps({"slot": slot, "placed": placed, "step": step}))
 
 
 def handoff_files(path: Path) -> list[Path]:
@@ -202,11 +203,20 @@ def handoff_placed(path: Path) -> bool:
         return False
 
 
-def handed_slot(path: Path) -> int | None:
+def _described(path: Path, key: str):
     try:
-        return json.loads(Path(f"{path}.json").read_text())["slot"]
-    except (FileNotFoundError, ValueError, KeyError):
+        return json.loads(Path(f"{path}.json").read_text())[key]
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
         return None
+
+
+def handed_slot(path: Path) -> int | None:
+    return _described(path, "slot")
+
+
+def handed_step(path: Path) -> int | None:
+    """The step the worker whose hand-off is ``path`` carried into the re-forming."""
+    return _described(path, "step")
 
 
 def hand_lifelines_to_agent(sockets: list) -> None:

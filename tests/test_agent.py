@@ -5,6 +5,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -233,6 +234,36 @@ def test_a_rank_restarted_inside_a_rendezvous_marks_it(agent, tmp_path, rendezvo
     _, _, restarted = restart_beside_a_peer(agent, tmp_path, rendezvous_store, unplaced=False)
     assert restart.marked(rendezvous_store)
     assert (restarted["reason"], restarted["marked"]) == ("the rendezvous stalled after a peer died", True)
+
+
+@pytest.mark.parametrize("carried", [60, 40, None])
+def test_a_replacement_dies_where_a_fault_planned_its_hosts_death(tmp_path, rendezvous_store, carried):
+    """A host planned to die as the sync of the first recovery after step 50 starts dies
+    there even if its worker was restarted in place during that recovery: the replacement
+    carries its predecessor's step (60: dies; 40, or a fresh worker's None: lives on). Seen
+    in CI: the replaced worker lived, and the job finished on one host too many."""
+    host = f"doomed-{time.monotonic_ns()}"
+    predecessor = restart.handoff_path(host, 1)
+    restart.describe_handoff(predecessor, 0, placed=True, step=carried)
+    place = urllib.request.Request("http://%s:%d/%s/%s:0" % (*rendezvous_store, restart.ASSIGNMENT, host),
+                                   data=b"1,2,0,1,1,2", method="PUT")   # rank, size, local ...
+    urllib.request.urlopen(place, timeout=5).close()
+    env = {"PATH": "/usr/bin:/bin", "HOROVOD_HOSTNAME": host, restart.HANDOFF_ENV: str(predecessor),
+           "HOROVOD_GLOO_RENDEZVOUS_ADDR": rendezvous_store[0],
+           "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rendezvous_store[1])}
+    try:
+        done = subprocess.run([PYTHON, str(ROOT / "tests" / "workers" / "doomed_replacement.py"),
+                               "--run-dir", str(tmp_path)], cwd=ROOT, env=env, timeout=60,
+                              capture_output=True, text=True)
+    finally:
+        for path in predecessor.parent.glob(f"*-{host}-*"):   # its own, under its pid, too
+            path.unlink(missing_ok=True)
+    kills = [e for e in read_events(tmp_path) if e["kind"] == "kill_injected"]
+    if carried == 60:
+        assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
+        assert [(e["step"], e["syncing"]) for e in kills] == [(60, True)]
+    else:
+        assert (done.returncode, done.stdout.strip(), kills) == (0, "survived", []), done.stderr
 
 
 def test_worker_left_out_of_the_world_forming_is_not_replaced(agent):
