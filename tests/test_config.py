@@ -86,12 +86,16 @@ def test_threads_per_rank_come_from_omp_num_threads_else_the_shared_cores():
             Env.read({"OMP_NUM_THREADS": bad})
 
 
-def test_horovods_cycle_is_5_ms_on_the_cpu_unless_the_job_or_the_environment_names_one():
+def test_horovods_cycle_on_the_cpu_is_20_ms_waking_5_not_unless_the_job_or_the_environment_names_one():
     from elastic.runtime.collectives import horovod_cycle_ms
     from elastic.runtime.device import wants_cpu
     from elastic.runtime.env import Env, EnvError
     unset = Env.read({})
     assert [horovod_cycle_ms(0, unset, on_cpu) for on_cpu in (True, False)] == [5.0, None]
+    assert [horovod_cycle_ms(0, unset, on_cpu, wakes=True) for on_cpu in (True, False)] == [20.0, None]
+    assert horovod_cycle_ms(3, unset, True, wakes=True) == 3
+    assert [Env.read(env).horovod_wake for env in
+            ({}, {"HOROVOD_WAKE_ON_ENQUEUE": "0"}, {"HOROVOD_WAKE_ON_ENQUEUE": "1"})] == [None, False, True]
     assert horovod_cycle_ms(1, unset, True) == horovod_cycle_ms(1, unset, False) == 1
     assert horovod_cycle_ms(2.5, Env.read({"HOROVOD_CYCLE_TIME": "1"}), True) is None   # the environment's wins
     assert [horovod_cycle_ms(2.5, Env.read(env), True) is None for env in

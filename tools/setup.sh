@@ -4,7 +4,7 @@
 # Installs OpenMPI and PostgreSQL (Debian; the tests start a throwaway PostgreSQL
 # cluster of their own, the packaged service is never used), a virtualenv in .venv,
 # torch 2.13.0 CPU, mpi4py, Horovod 0.28.1 built from its sdist with the C++17 change
-# (see ../shared/DESIGN.md), and the project itself. A built Horovod wheel is cached outside the checkout, keyed by Horovod,
+# (see ../shared/DESIGN.md) and our wake-on-enqueue patch (tools/), and the project itself. A built Horovod wheel is cached outside the checkout, keyed by Horovod,
 # torch and Python versions, so a second set-up takes seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +21,7 @@ need_apt=()
 command -v mpirun >/dev/null || need_apt+=(openmpi-bin)
 [ -f /usr/include/x86_64-linux-gnu/openmpi/mpi.h ] || [ -n "$(ls /usr/lib/*/openmpi/include/mpi.h 2>/dev/null)" ] || need_apt+=(libopenmpi-dev)
 command -v cmake >/dev/null || need_apt+=(cmake)
+command -v patch >/dev/null || need_apt+=(patch)
 command -v chromium >/dev/null || need_apt+=(chromium)
 # Simulated hosts in network namespaces (regatta local): ip and tc, unshare and nsenter.
 command -v tc >/dev/null || need_apt+=(iproute2)
@@ -41,7 +42,8 @@ fi
 PY=$VENV/bin/python
 PIP="$PY -m pip"
 
-if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ] && [ "$STAMP" -nt tools/setup.sh ]; then
+if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ] && [ "$STAMP" -nt tools/setup.sh ] \
+    && [ "$STAMP" -nt tools/horovod-wake-on-enqueue.patch ]; then
   exit 0
 fi
 
@@ -51,8 +53,12 @@ if ! $PY -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TO
 fi
 
 PYTAG=$($PY -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
-WHEELDIR=$CACHE/horovod-$HOROVOD_VERSION-torch$TORCH_VERSION-$PYTAG-nodebug   # the recipe below
-if ! $PY -c "import horovod.torch" 2>/dev/null; then
+# The recipe below, our patch included: a changed patch builds a new wheel, and a venv
+# whose Horovod came from another recipe gets this one's.
+WAKE_PATCH=tools/horovod-wake-on-enqueue.patch
+RECIPE=horovod-$HOROVOD_VERSION-torch$TORCH_VERSION-$PYTAG-nodebug-wake$(sha256sum $WAKE_PATCH | cut -c1-8)
+WHEELDIR=$CACHE/$RECIPE
+if ! $PY -c "import horovod.torch" 2>/dev/null || [ "$(cat "$VENV/.horovod-recipe" 2>/dev/null)" != "$RECIPE" ]; then
   if ! ls "$WHEELDIR"/horovod-*.whl >/dev/null 2>&1; then
     step "building Horovod $HOROVOD_VERSION (several minutes on two cores; cached in $WHEELDIR)"
     $PIP install -q cloudpickle psutil pyyaml packaging cffi
@@ -70,6 +76,8 @@ if ! $PY -c "import horovod.torch" 2>/dev/null; then
     sed -i 's/string(REPLACE "-O2" "-O3" CMAKE_\(C\|CXX\)_FLAGS_RELWITHDEBINFO/string(REPLACE "-O2 -g" "-O3" CMAKE_\1_FLAGS_RELWITHDEBINFO/' \
       "$src/CMakeLists.txt"
     [ "$(grep -c 'REPLACE "-O2 -g" "-O3"' "$src/CMakeLists.txt")" = 2 ]
+    # A queued tensor wakes Horovod's loop instead of waiting out its cycle (the patch says why).
+    patch -d "$src" -p1 --quiet < $WAKE_PATCH
     # Newer toolchains (a newer GCC and CMake 4, seen on a CUDA 13 machine): Horovod's headers
     # leave out standard includes that older libstdc++ pulled in (<string> in group_table.h,
     # <stdexcept> in common.h), so they are forced into every file; CMake 4 refuses
@@ -92,7 +100,8 @@ if ! $PY -c "import horovod.torch" 2>/dev/null; then
     echo
   fi
   step "installing cached Horovod wheel"
-  $PIP install -q --no-deps "$WHEELDIR"/horovod-*.whl
+  $PIP install -q --no-deps --force-reinstall "$WHEELDIR"/horovod-*.whl
+  echo "$RECIPE" > "$VENV/.horovod-recipe"
   $PIP install -q cloudpickle psutil pyyaml packaging cffi
 fi
 

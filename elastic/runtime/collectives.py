@@ -13,7 +13,9 @@ must be waited on exactly once; ``wait`` raises the collective's failure (under 
 """
 from __future__ import annotations
 
+import functools
 import os
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -70,43 +72,67 @@ class Alone:
         return obj
 
 
-CPU_CYCLE_MS = 5.0
+CPU_CYCLE_MS = 5.0     # Horovod's cycle on the CPU where tensors wait for it
+WAKING_CYCLE_MS = 20.0  # where a queued tensor wakes Horovod's loop: only its idle rounds
+WAKE_ENV = "HOROVOD_WAKE_ON_ENQUEUE"   # tools/horovod-wake-on-enqueue.patch reads it
 
 
 def start_horovod(cfg, env):
-    """``hvd.init`` with the cycle :func:`horovod_cycle_ms` picks, left in the environment
-    (Horovod reads it again on every reset). Returns the module and the cycle in effect
-    (None: Horovod's own default or its autotuner's)."""
+    """``hvd.init`` with a queued tensor waking Horovod's loop (where the Horovod build has
+    the patch for it, and the environment does not say otherwise) and the cycle
+    :func:`horovod_cycle_ms` picks, both left in the environment (Horovod reads them again
+    on every reset). Returns the module, the cycle in effect (None: Horovod's own default
+    or its autotuner's) and whether queued tensors wake the loop."""
     import horovod.torch as hvd
-    cycle = horovod_cycle_ms(cfg.horovod_cycle_ms, env, wants_cpu(cfg.device or env.device))
+    wakes = horovod_wakes(env)
+    os.environ[WAKE_ENV] = "1" if wakes else "0"
+    cycle = horovod_cycle_ms(cfg.horovod_cycle_ms, env, wants_cpu(cfg.device or env.device), wakes)
     if cycle is not None:
         os.environ["HOROVOD_CYCLE_TIME"] = f"{cycle:g}"
     hvd.init()
-    return hvd, cycle if cycle is not None else env.horovod_cycle_time
+    return hvd, cycle if cycle is not None else env.horovod_cycle_time, wakes
 
 
-def horovod_cycle_ms(requested: float, env, on_cpu: bool) -> float | None:
+def horovod_wakes(env) -> bool:
+    """Whether a tensor queued for Horovod wakes its background loop at once: Regatta's
+    patch to Horovod (tools/horovod-wake-on-enqueue.patch, applied by tools/setup.sh), on
+    unless ``HOROVOD_WAKE_ON_ENQUEUE`` says 0. Stock Horovod sleeps out its cycle first, so
+    every collective waits half a cycle on average before it starts; Regatta's gradients
+    come already fused in buckets, so there is nothing to gain from the wait. A Horovod
+    built without the patch is found out by its library, which lacks the variable."""
+    return env.horovod_wake is not False and _horovod_library_wakes()
+
+
+@functools.cache   # read once a process, not on every reset
+def _horovod_library_wakes() -> bool:
+    import horovod.torch
+    library = next(Path(horovod.torch.__file__).parent.glob("mpi_lib_v2*.so"), None)
+    return library is not None and WAKE_ENV.encode() in library.read_bytes()
+
+
+def horovod_cycle_ms(requested: float, env, on_cpu: bool, wakes: bool = False) -> float | None:
     """The cycle (``HOROVOD_CYCLE_TIME``) to start Horovod with; None leaves Horovod's.
 
     Horovod's background thread runs a negotiation round (a collective: Gloo's under
     horovodrun elastic, with work for Gloo's socket thread) every cycle, busy or idle. At
     Horovod's 1 ms those two threads took a fifth of a rank's CPU beside its training thread
     (charlm, 2 ranks on 2 cores, per-thread CPU over 90 s), CPU the training threads, which
-    fill the cores, lacked. At 5 ms a collective may wait up to 5 ms longer to start: behind
-    backward for every bucket but the last (the agreement's), which is on every step's path.
-    Measured there with the cycle set for both Horovod arms alike, Regatta / DDP (charlm, one
-    run each): 1 ms 0.78, 2.5 ms 0.84, 5 ms 0.89, 10 ms 0.86; recovery unchanged
-    (bench_recovery, 3 runs each: failure 0.29 s at 5 ms, 0.32 s at 1 ms). A model whose
-    step is mostly that latency loses instead (digits, 1500 steps: 16.0-16.7 s against
-    13.6-15.5 s, start-up included),
-    hence ``train.horovod_cycle_ms``. On a GPU the CPU has room for the thread while the
-    latency still counts: Horovod's default stays. An environment that sets the cycle, or
-    turns on Horovod's autotuning (which a set cycle would pin), decides alone."""
+    fill the cores, lacked. Without the wake (:func:`horovod_wakes`) a longer cycle delays
+    every collective's start: the last bucket's is on every step's path. Measured there with
+    the cycle set for both Horovod arms alike, Regatta / DDP (charlm, one run each): 1 ms
+    0.78, 2.5 ms 0.84, 5 ms 0.89, 10 ms 0.86; hence 5 ms on the CPU without the wake (and
+    ``train.horovod_cycle_ms`` for a model whose step is mostly that latency). With it a
+    collective starts at once whatever the cycle, which then only spaces the idle rounds:
+    20 ms (README, "Steady-state speed"). On a GPU the CPU has room for the thread:
+    Horovod's default stays. An environment that sets the cycle, or turns on Horovod's
+    autotuning (which a set cycle would pin), decides alone."""
     if env.horovod_cycle_time is not None or env.horovod_autotune:
         return None
     if requested > 0:
         return requested
-    return CPU_CYCLE_MS if on_cpu else None
+    if not on_cpu:
+        return None
+    return WAKING_CYCLE_MS if wakes else CPU_CYCLE_MS
 
 
 class HorovodCollectives:

@@ -54,6 +54,7 @@ class Env:
     replacing: bool = False         # REGATTA_HANDOFF set: this worker takes a failed one's place
     horovod_cycle_time: float | None = None   # HOROVOD_CYCLE_TIME (ms), when set
     horovod_autotune: bool = False  # HOROVOD_AUTOTUNE on (a set cycle would pin its tuning)
+    horovod_wake: bool | None = None   # HOROVOD_WAKE_ON_ENQUEUE=0|1 (None: on where Horovod can)
 
     @classmethod
     def read(cls, environ: dict | None = None) -> "Env":
@@ -74,7 +75,8 @@ class Env:
                    pipe_init=env.get("REGATTA_PIPE_INIT", ""), launch_key=_launch_key(env),
                    replacing=bool(env.get(HANDOFF_ENV)),
                    horovod_cycle_time=_milliseconds(env, "HOROVOD_CYCLE_TIME"),
-                   horovod_autotune=bool(_flag(env, "HOROVOD_AUTOTUNE")))
+                   horovod_autotune=bool(_flag(env, "HOROVOD_AUTOTUNE")),
+                   horovod_wake=_flag(env, "HOROVOD_WAKE_ON_ENQUEUE"))
 
     def slow_factor(self, rank: int, host: str) -> float:
         """The slowdown injected into this rank: by rank, else the fault plan's by host."""
