@@ -97,7 +97,7 @@ class FastRecovery:
         replacing = first and bool(os.environ.get(restart.HANDOFF_ENV))
         # A replacement carries its predecessor's step, and its fate: a host planned to die
         # in this re-forming dies in it even when its worker was replaced meanwhile.
-        self._carried_step = self.heartbeat.step if self.entered else \
+        self._carried_step = self._held_step() if self.entered else \
             restart.handed_step(Path(os.environ[restart.HANDOFF_ENV])) if replacing else None
         self._doomed = "" if self._carried_step is None else self.dies_recovering(self._carried_step)
         if replacing:
@@ -295,12 +295,17 @@ class FastRecovery:
         return bool(os.environ.get(restart.AGENT_CHILD_ENV)) and \
             (not self.entered or hasattr(self.state, "write_handoff"))
 
+    def _held_step(self) -> int:
+        """The step of the state this (entered) process holds: a replacement that loaded its
+        predecessor's commit holds that step before its heartbeat has counted one."""
+        return max(self.heartbeat.step, getattr(self.state, "step", 0) or 0)
+
     def _put_handoff(self, placed: bool = False) -> None:
         self._withdraw()   # one hand-off out at a time (a reset can follow a restore)
         if self._can_be_replaced():
             self._handoff = Handoff(restart.own_handoff_path(),
                                     self.state if self.entered else None, placed=placed,
-                                    step=self._carried_step)
+                                    step=self._held_step() if self.entered else self._carried_step)
 
     def _last_connection_due(self) -> bool:
         """Whether Gloo has made all but the last of this rank's connections to the world

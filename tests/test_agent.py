@@ -154,7 +154,8 @@ def test_a_survivor_whose_step_collective_outlives_the_sever_is_replaced(agent, 
     proc = shim(agent, tmp_path, job=(STUCK_STEP,))
     out, _ = proc.communicate(timeout=90)
     assert proc.returncode == 0 and "never restarted" not in out, out
-    assert "replacement given [b'commit of step 7']" in out, out
+    # described with the step it was in (the fault plan's measure), not one of an earlier re-forming
+    assert "replacement given [b'commit of step 7'] of step 9" in out, out
     (restarted,) = [e for e in read_events(tmp_path) if e["kind"] == "restart_in_place"]
     assert (restarted["reason"], restarted["handoff"]) == \
         ("the step's collective still waited on Gloo after the sever", True)

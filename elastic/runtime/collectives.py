@@ -99,8 +99,12 @@ def horovod_wakes(env) -> bool:
     unless ``HOROVOD_WAKE_ON_ENQUEUE`` says 0. Stock Horovod sleeps out its cycle first, so
     every collective waits half a cycle on average before it starts; Regatta's gradients
     come already fused in buckets, so there is nothing to gain from the wait. A Horovod
-    built without the patch is found out by its library, which lacks the variable."""
-    return env.horovod_wake is not False and _horovod_library_wakes()
+    built without the patch is found out by its library, which lacks the variable. Only
+    under Gloo's controller (horovodrun's): Open MPI's blocking collectives poll, so a rank
+    that enters a round before its peers (as a rank with pending tensors does at once)
+    would spin a core its peers' backward needs."""
+    return env.horovod_wake is not False and env.horovod_controller == "gloo" \
+        and _horovod_library_wakes()
 
 
 @functools.cache   # read once a process, not on every reset

@@ -55,6 +55,7 @@ class Env:
     horovod_cycle_time: float | None = None   # HOROVOD_CYCLE_TIME (ms), when set
     horovod_autotune: bool = False  # HOROVOD_AUTOTUNE on (a set cycle would pin its tuning)
     horovod_wake: bool | None = None   # HOROVOD_WAKE_ON_ENQUEUE=0|1 (None: on where Horovod can)
+    horovod_controller: str = ""    # HOROVOD_CONTROLLER (horovodrun's Gloo sets "gloo"; "": MPI)
 
     @classmethod
     def read(cls, environ: dict | None = None) -> "Env":
@@ -76,7 +77,8 @@ class Env:
                    replacing=bool(env.get(HANDOFF_ENV)),
                    horovod_cycle_time=_milliseconds(env, "HOROVOD_CYCLE_TIME"),
                    horovod_autotune=bool(_flag(env, "HOROVOD_AUTOTUNE")),
-                   horovod_wake=_flag(env, "HOROVOD_WAKE_ON_ENQUEUE"))
+                   horovod_wake=_flag(env, "HOROVOD_WAKE_ON_ENQUEUE"),
+                   horovod_controller=env.get("HOROVOD_CONTROLLER", "").strip().lower())
 
     def slow_factor(self, rank: int, host: str) -> float:
         """The slowdown injected into this rank: by rank, else the fault plan's by host."""

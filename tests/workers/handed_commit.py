@@ -28,7 +28,7 @@ def exit_if_replacement() -> None:
     if inherited:
         handed = [p.read_bytes() for p in restart.handoff_files(Path(inherited))
                   if p.suffix != ".json" and p.exists()]
-        print("replacement given", handed, flush=True)
+        print("replacement given", handed, "of step", restart.handed_step(Path(inherited)), flush=True)
         sys.exit(0)
 
 
