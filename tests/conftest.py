@@ -202,6 +202,19 @@ class PostgresServer:
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True)
+def own_environment():
+    """Each test starts from the environment the one before it started from: a test that
+    trains in this process (the user API's single-process runs) leaves the settings the
+    runtime gives Horovod in os.environ (HOROVOD_CYCLE_TIME, HOROVOD_WAKE_ON_ENQUEUE),
+    and every command a later test started inherited them (seen: a user-script run on
+    3 hosts at the unwoken 5 ms)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture(scope="session")
 def postgres():
     """The session's PostgreSQL server (started on first use)."""
