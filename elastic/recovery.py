@@ -81,7 +81,7 @@ class FastRecovery:
         self._episode = 0               # which re-forming (each has its own watch)
         self._death_seen_at = 0.0       # the last death a lifeline reported while re-forming
         self._doomed = ""               # when a planned fault kills this rank in this re-forming
-        self._carried_step: int | None = None   # the step of the state this re-forming carries
+        self._handed_step: int | None = None    # a replacement's: its predecessor's step
         self._handoff: Handoff | None = None   # out from before_init until the loop is entered
         self._last_size = 1             # the size of the world last entered
         self._leaving = threading.Lock()   # held by the one thread that restarts this rank
@@ -97,15 +97,16 @@ class FastRecovery:
         replacing = first and bool(os.environ.get(restart.HANDOFF_ENV))
         # A replacement carries its predecessor's step, and its fate: a host planned to die
         # in this re-forming dies in it even when its worker was replaced meanwhile.
-        self._carried_step = self._held_step() if self.entered else \
-            restart.handed_step(Path(os.environ[restart.HANDOFF_ENV])) if replacing else None
-        self._doomed = "" if self._carried_step is None else self.dies_recovering(self._carried_step)
+        if replacing:
+            self._handed_step = restart.handed_step(Path(os.environ[restart.HANDOFF_ENV]))
+        carried = self._carried_step()
+        self._doomed = "" if carried is None else self.dies_recovering(carried)
         if replacing:
             self._take_place()
             # Out under this worker's name at once: replaced again before it loads the
             # commit (the world it joined was doomed too), its successor still finds it.
             self._handoff = Handoff(restart.own_handoff_path(), None, placed=True,
-                                    step=self._carried_step,
+                                    step=self._handed_step,
                                     predecessor=Path(os.environ[restart.HANDOFF_ENV]))
         elif first:
             # A fresh worker (the first world's, or an added host's) starts placed: a death
@@ -135,7 +136,7 @@ class FastRecovery:
         hand-off's file is complete first (the sync rewrites the buffers it is read from);
         it stays out until the loop is entered."""
         if self._doomed == "syncing":
-            FaultPlan.kill_now(self.events, self._carried_step, syncing=True)
+            FaultPlan.kill_now(self.events, self._carried_step(), syncing=True)
         if self._handoff is not None:
             self._handoff.written()
 
@@ -163,7 +164,7 @@ class FastRecovery:
         self._last_size = world.size
         server = restart.rendezvous_server()
         if self._doomed == "entering":
-            FaultPlan.kill_now(self.events, self._carried_step, entering=True)
+            FaultPlan.kill_now(self.events, self._carried_step(), entering=True)
         try:
             self.lifeline = Lifeline(world.rank, world.size, world.host, host_address(world.host),
                                      allgather, self.heartbeat, self._on_death, self._on_stall,
@@ -252,7 +253,7 @@ class FastRecovery:
             time.sleep(0.0002 if doomed else 0.02 if placed else 0.002)
             initialised = hvd.is_initialized()
             if doomed and went_down and restart.assigned() and self._last_connection_due():
-                FaultPlan.kill_now(self.events, self._carried_step, connecting=True)
+                FaultPlan.kill_now(self.events, self._carried_step(), connecting=True)
             went_down = went_down or not initialised
             if not went_down:
                 if time.time() - began > GLOO_STUCK_S:
@@ -295,9 +296,12 @@ class FastRecovery:
         return bool(os.environ.get(restart.AGENT_CHILD_ENV)) and \
             (not self.entered or hasattr(self.state, "write_handoff"))
 
-    def _held_step(self) -> int:
-        """The step of the state this (entered) process holds: a replacement that loaded its
-        predecessor's commit holds that step before its heartbeat has counted one."""
+    def _carried_step(self) -> int | None:
+        """The step of the state this process carries into a re-forming (None: a fresh
+        worker's). A replacement that loaded its predecessor's commit holds that step before
+        its heartbeat has counted one; one that has not loaded it yet, the step handed over."""
+        if not self.entered:
+            return self._handed_step
         return max(self.heartbeat.step, getattr(self.state, "step", 0) or 0)
 
     def _put_handoff(self, placed: bool = False) -> None:
@@ -305,7 +309,7 @@ class FastRecovery:
         if self._can_be_replaced():
             self._handoff = Handoff(restart.own_handoff_path(),
                                     self.state if self.entered else None, placed=placed,
-                                    step=self._held_step() if self.entered else self._carried_step)
+                                    step=self._carried_step())
 
     def _last_connection_due(self) -> bool:
         """Whether Gloo has made all but the last of this rank's connections to the world
