@@ -10,7 +10,12 @@ Starts ``mpirun -np 2`` on itself (2 stages, one rank each) and prints:
   computing, so the two stages' work did not overlap as it should). Beside it the bubble
   the same steps would have had with free messages (each forward's and backward's measured
   time replayed through the schedule): the gap to the measured one is what the transport
-  costs, the gap to the ideal what unequal or varying compute times cost. The measured
+  costs, the gap to the ideal what unequal or varying compute times cost. Beside that
+  the bubble of the same schedule run for real (same transport, same message sizes) by a
+  stage whose every forward and backward takes a fixed time, this case's median forward
+  and backward averaged over both stages: the machine's compute jitter and the stages'
+  imbalance are gone, so its excess over the ideal is the engine's own cost (messages,
+  the executor's work between actions, the step's start and end). The measured
   bubble is also split into the time spent waiting for messages and the rest (the
   executor's own work between actions, zeroing the gradients between steps). The model is a stack
   of equal Linear+Tanh layers cut in two equal halves, so the stages are balanced as the
@@ -39,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 MICROBATCHES = (1, 2, 4, 8)
 MB16 = 16 * 2 ** 20
+SLEEP_MARGIN_S = 3e-4          # a sleep on a VM may end this late; the rest is spun
 
 
 def options(argv=None) -> argparse.Namespace:
@@ -90,6 +96,52 @@ def schedule_case(transport, grid, module, opts, schedule: str, m: int) -> dict:
             "cpu_per_busy": cpu / busy, "compute": compute}
 
 
+def wait_until(deadline: float) -> None:
+    """Sleep (the GIL released, so a progress thread runs) to just short of ``deadline``,
+    then spin to it: a wall-clock duration that does not vary with the machine's load."""
+    while (left := deadline - time.perf_counter()) > SLEEP_MARGIN_S:
+        time.sleep(left - SLEEP_MARGIN_S)
+    while time.perf_counter() < deadline:
+        pass
+
+
+def fixed_time_stage(forward_s: float, backward_s: float):
+    """A stage whose forward takes ``forward_s`` and backward ``backward_s`` seconds and
+    which passes its input's shape on (activations and gradients keep their size)."""
+    import torch
+    from torch import nn
+
+    class Timed(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight):
+            wait_until(time.perf_counter() + forward_s)
+            return x * weight
+
+        @staticmethod
+        def backward(ctx, grad):
+            wait_until(time.perf_counter() + backward_s)
+            return grad.clone(), None    # a new tensor, as a Linear's input gradient is
+
+    class FixedTimeStage(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(()))
+
+        def forward(self, x):
+            return Timed.apply(x, self.weight)
+
+    return FixedTimeStage()
+
+
+def agreed_medians(case: dict, schedule: str, stage: int, m: int, comm) -> tuple[float, float]:
+    """This case's median forward and backward seconds, averaged over the stages."""
+    from elastic.pipeline.schedule import make_schedule
+    kinds = [a.kind for a in make_schedule(schedule, stage, comm.Get_size(), m) if a.kind in ("fwd", "bwd")]
+    medians = [statistics.median(t for step in case["compute"] for k, t in zip(kinds, step) if k == kind)
+               for kind in ("fwd", "bwd")]
+    return tuple(statistics.mean(column) for column in zip(*comm.allgather(medians)))
+
+
 def ping(transport, peer: int, rank: int, tensor, repeats: int = 10) -> float:
     """Median one-way time of ``tensor`` to ``peer`` (half a round trip)."""
     times = []
@@ -132,12 +184,15 @@ def worker(opts) -> None:
     torch.manual_seed(0)
     layers = [m for _ in range(opts.layers) for m in (nn.Linear(opts.dim, opts.dim), nn.Tanh())]
     module = cut(nn.Sequential(*layers), *((0, opts.layers), (opts.layers, 2 * opts.layers))[rank])
-    result = {"schedules": {}, "progress_thread": transport.progress_thread}
+    result = {"schedules": {}, "fixed": {}, "progress_thread": transport.progress_thread}
     for _ in range(opts.repeats):   # rounds over every case: load that comes and goes hits all
         for schedule in ("gpipe", "1f1b"):
             for m in MICROBATCHES:
-                result["schedules"].setdefault(f"{schedule}:{m}", []).append(
-                    schedule_case(transport, grid, module, opts, schedule, m))
+                case = schedule_case(transport, grid, module, opts, schedule, m)
+                result["schedules"].setdefault(f"{schedule}:{m}", []).append(case)
+                timed = fixed_time_stage(*agreed_medians(case, schedule, rank, m, MPI.COMM_WORLD))
+                result["fixed"].setdefault(f"{schedule}:{m}", []).append(
+                    schedule_case(transport, grid, timed, opts, schedule, m))
     tensor = torch.randn(MB16 // 4)
     result["copy_s"] = copy_time(tensor)
     result["mpi_s"] = ping(transport, 1 - rank, rank, tensor)
@@ -174,7 +229,7 @@ def report(ranks: list[dict]) -> None:
     print(f"MPI transport's progress thread: {'on' if ranks[0]['progress_thread'] else 'off'}; "
           f"median [min-max] over {repeats} rounds")
     print(f"{'schedule':8} {'m':>2} {'ideal':>6} {'bubble':>6}   {'bubble / ideal':>16}   "
-          f"{'replayed / ideal':>16}   waiting  other   peak activations   cpu/busy")
+          f"{'replayed / ideal':>16}   {'fixed / ideal':>16}   waiting  other   peak activations   cpu/busy")
     for schedule in ("gpipe", "1f1b"):
         for m in MICROBATCHES:
             ideal = (p - 1) / (m + p - 1)
@@ -185,13 +240,18 @@ def report(ranks: list[dict]) -> None:
             cpu = min(case["cpu_per_busy"] for cases in rounds for case in cases)
             waiting = [statistics.mean(case["waiting"] for case in cases) for cases in rounds]
             other = [b - w for b, w in zip(measured, waiting)]   # per round, then the median
+            fixed = [statistics.mean(case["bubble"] for case in cases)
+                     for cases in zip(*(r["fixed"][f"{schedule}:{m}"] for r in ranks))]
             print(f"{schedule:8} {m:2d} {ideal:6.3f} {statistics.median(measured):6.3f}   "
                   f"{spread([b / ideal for b in measured]):>16}   "
-                  f"{spread([b / ideal for b in replayed]):>16}   {statistics.median(waiting):7.3f} "
+                  f"{spread([b / ideal for b in replayed]):>16}   "
+                  f"{spread([b / ideal for b in fixed]):>16}   {statistics.median(waiting):7.3f} "
                   f"{statistics.median(other):6.3f}   {peak / 2 ** 20:8.2f} MiB   {cpu:8.2f}")
     print("replayed: the same steps' measured compute times with messages that cost nothing; "
           "bubble - replayed is the transport's share, replayed - ideal the compute times' "
-          "(stages of unequal or varying speed); the bubble split into waiting for messages "
+          "(stages of unequal or varying speed); fixed: the same schedule run with every "
+          "forward and backward taking this case's median time on both stages, so its excess "
+          "over the ideal is the engine's own cost; the bubble split into waiting for messages "
           "(and for the step's sends) and the other time that was not compute (the executor's "
           "own work between actions, zeroing gradients)")
     print("\npeak activation bytes held, 1F1B / GPipe (stage 0; ideal min(p, m) / m):")
