@@ -10,16 +10,18 @@ Starts ``mpirun -np 2`` on itself (2 stages, one rank each) and prints:
   computing, so the two stages' work did not overlap as it should). Beside it the bubble
   the same steps would have had with free messages (each forward's and backward's measured
   time replayed through the schedule): the gap to the measured one is what the transport
-  costs, the gap to the ideal what unequal or varying compute times cost. Beside that
-  the bubble of the same schedule run for real (same transport, same message sizes) by a
-  stage whose every forward and backward takes a fixed time, this case's median forward
-  and backward averaged over both stages: the machine's compute jitter and the stages'
-  imbalance are gone, so its excess over the ideal is the engine's own cost (messages,
-  the executor's work between actions, the step's start and end). The measured
+  costs, the gap to the ideal what unequal or varying compute times cost. The measured
   bubble is also split into the time spent waiting for messages and the rest (the
-  executor's own work between actions, zeroing the gradients between steps). The model is a stack
-  of equal Linear+Tanh layers cut in two equal halves, so the stages are balanced as the
-  formula assumes; the global batch stays fixed and is split into m microbatches.
+  executor's own work between actions, zeroing the gradients between steps). The model is
+  a stack of equal Linear+Tanh layers cut in two equal halves (the last stage also
+  computes the loss); the global batch stays fixed and is split into m microbatches.
+* the same table for every case run again by a stage whose forwards and backwards take
+  fixed times, the case's median times averaged over both stages (a trial run measures
+  what each stage adds around the wait, the last stage's loss among it, and the waits are
+  set so that the actions come out equal): the machine's compute jitter and the stages'
+  imbalance are gone, messages keep their sizes, so its excess over the ideal is the
+  engine's own cost (messages, the executor's work between actions, the step's start and
+  end).
 * peak autograd-saved activation bytes held on a stage, 1F1B / GPipe (ideal at stage 0:
   min(p, m) / m).
 * the time to move a 16 MB float32 tensor to the other rank over the MPI transport (and the
@@ -44,7 +46,6 @@ sys.path.insert(0, str(ROOT))
 
 MICROBATCHES = (1, 2, 4, 8)
 MB16 = 16 * 2 ** 20
-SLEEP_MARGIN_S = 3e-4          # a sleep on a VM may end this late; the rest is spun
 
 
 def options(argv=None) -> argparse.Namespace:
@@ -97,49 +98,64 @@ def schedule_case(transport, grid, module, opts, schedule: str, m: int) -> dict:
 
 
 def wait_until(deadline: float) -> None:
-    """Sleep (the GIL released, so a progress thread runs) to just short of ``deadline``,
-    then spin to it: a wall-clock duration that does not vary with the machine's load."""
-    while (left := deadline - time.perf_counter()) > SLEEP_MARGIN_S:
-        time.sleep(left - SLEEP_MARGIN_S)
+    """Spin to ``deadline``, giving the GIL up on every turn (``sleep(0)``) so that a
+    progress thread still runs: a wall-clock duration that a sleep's late wake-up on a busy
+    machine does not stretch."""
     while time.perf_counter() < deadline:
-        pass
+        time.sleep(0)
 
 
 def fixed_time_stage(forward_s: float, backward_s: float):
-    """A stage whose forward takes ``forward_s`` and backward ``backward_s`` seconds and
-    which passes its input's shape on (activations and gradients keep their size)."""
+    """A stage whose forward waits ``forward_s`` and backward ``backward_s`` seconds (its
+    ``durations``, which may be changed) and which passes its input's shape on
+    (activations and gradients keep their size)."""
     import torch
     from torch import nn
 
     class Timed(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, x, weight):
-            wait_until(time.perf_counter() + forward_s)
+        def forward(ctx, x, weight, stage):
+            wait_until(time.perf_counter() + stage.durations[0])
+            ctx.stage = stage
             return x * weight
 
         @staticmethod
         def backward(ctx, grad):
-            wait_until(time.perf_counter() + backward_s)
-            return grad.clone(), None    # a new tensor, as a Linear's input gradient is
+            wait_until(time.perf_counter() + ctx.stage.durations[1])
+            return grad.clone(), None, None    # a new tensor, as a Linear's input gradient is
 
     class FixedTimeStage(nn.Module):
         def __init__(self):
             super().__init__()
             self.weight = nn.Parameter(torch.ones(()))
+            self.durations = (forward_s, backward_s)
 
         def forward(self, x):
-            return Timed.apply(x, self.weight)
+            return Timed.apply(x, self.weight, self)
 
     return FixedTimeStage()
 
 
-def agreed_medians(case: dict, schedule: str, stage: int, m: int, comm) -> tuple[float, float]:
-    """This case's median forward and backward seconds, averaged over the stages."""
+def action_medians(case: dict, schedule: str, stage: int, m: int) -> list[float]:
+    """A stage's median forward and backward seconds in ``case``."""
     from elastic.pipeline.schedule import make_schedule
-    kinds = [a.kind for a in make_schedule(schedule, stage, comm.Get_size(), m) if a.kind in ("fwd", "bwd")]
-    medians = [statistics.median(t for step in case["compute"] for k, t in zip(kinds, step) if k == kind)
-               for kind in ("fwd", "bwd")]
-    return tuple(statistics.mean(column) for column in zip(*comm.allgather(medians)))
+    kinds = [a.kind for a in make_schedule(schedule, stage, 2, m) if a.kind in ("fwd", "bwd")]
+    return [statistics.median(t for step in case["compute"] for k, t in zip(kinds, step) if k == kind)
+            for kind in ("fwd", "bwd")]
+
+
+def fixed_time_case(transport, grid, opts, schedule: str, m: int, case: dict, comm) -> dict:
+    """``case`` again with every forward and every backward taking one time on both stages:
+    the case's medians averaged over the stages. A trial run measures what each stage adds
+    around the wait (the last stage's loss, autograd's own work) and the waits are set so
+    that the actions come out equal, as the ideal formula assumes."""
+    target = [statistics.mean(column) for column in
+              zip(*comm.allgather(action_medians(case, schedule, grid.stage, m)))]
+    stage = fixed_time_stage(*target)
+    trial = action_medians(schedule_case(transport, grid, stage, opts, schedule, m), schedule, grid.stage, m)
+    added = [t - d for t, d in zip(trial, stage.durations)]
+    stage.durations = tuple(max(0.0, t - a) for t, a in zip(target, added))
+    return schedule_case(transport, grid, stage, opts, schedule, m)
 
 
 def ping(transport, peer: int, rank: int, tensor, repeats: int = 10) -> float:
@@ -190,9 +206,8 @@ def worker(opts) -> None:
             for m in MICROBATCHES:
                 case = schedule_case(transport, grid, module, opts, schedule, m)
                 result["schedules"].setdefault(f"{schedule}:{m}", []).append(case)
-                timed = fixed_time_stage(*agreed_medians(case, schedule, rank, m, MPI.COMM_WORLD))
                 result["fixed"].setdefault(f"{schedule}:{m}", []).append(
-                    schedule_case(transport, grid, timed, opts, schedule, m))
+                    fixed_time_case(transport, grid, opts, schedule, m, case, MPI.COMM_WORLD))
     tensor = torch.randn(MB16 // 4)
     result["copy_s"] = copy_time(tensor)
     result["mpi_s"] = ping(transport, 1 - rank, rank, tensor)
@@ -223,35 +238,42 @@ def spread(values: list[float]) -> str:
     return f"{statistics.median(values):5.2f} [{min(values):4.2f}-{max(values):4.2f}]"
 
 
-def report(ranks: list[dict]) -> None:
+def bubble_table(ranks: list[dict], stage: str) -> None:
+    """One row per schedule and m for the runs under ``stage`` ("schedules": the model,
+    "fixed": the fixed-time stage)."""
     p = 2
-    repeats = len(ranks[0]["schedules"]["gpipe:1"])
-    print(f"MPI transport's progress thread: {'on' if ranks[0]['progress_thread'] else 'off'}; "
-          f"median [min-max] over {repeats} rounds")
     print(f"{'schedule':8} {'m':>2} {'ideal':>6} {'bubble':>6}   {'bubble / ideal':>16}   "
-          f"{'replayed / ideal':>16}   {'fixed / ideal':>16}   waiting  other   peak activations   cpu/busy")
+          f"{'replayed / ideal':>16}   waiting  other   peak activations   cpu/busy")
     for schedule in ("gpipe", "1f1b"):
         for m in MICROBATCHES:
             ideal = (p - 1) / (m + p - 1)
-            rounds = list(zip(*(r["schedules"][f"{schedule}:{m}"] for r in ranks)))
+            rounds = list(zip(*(r[stage][f"{schedule}:{m}"] for r in ranks)))
             measured = [statistics.mean(case["bubble"] for case in cases) for cases in rounds]
             replayed = [replayed_bubble(list(cases), schedule, m) for cases in rounds]
             peak = max(case["peak"] for cases in rounds for case in cases)
             cpu = min(case["cpu_per_busy"] for cases in rounds for case in cases)
             waiting = [statistics.mean(case["waiting"] for case in cases) for cases in rounds]
             other = [b - w for b, w in zip(measured, waiting)]   # per round, then the median
-            fixed = [statistics.mean(case["bubble"] for case in cases)
-                     for cases in zip(*(r["fixed"][f"{schedule}:{m}"] for r in ranks))]
             print(f"{schedule:8} {m:2d} {ideal:6.3f} {statistics.median(measured):6.3f}   "
                   f"{spread([b / ideal for b in measured]):>16}   "
-                  f"{spread([b / ideal for b in replayed]):>16}   "
-                  f"{spread([b / ideal for b in fixed]):>16}   {statistics.median(waiting):7.3f} "
+                  f"{spread([b / ideal for b in replayed]):>16}   {statistics.median(waiting):7.3f} "
                   f"{statistics.median(other):6.3f}   {peak / 2 ** 20:8.2f} MiB   {cpu:8.2f}")
+
+
+def report(ranks: list[dict]) -> None:
+    p = 2
+    repeats = len(ranks[0]["schedules"]["gpipe:1"])
+    print(f"MPI transport's progress thread: {'on' if ranks[0]['progress_thread'] else 'off'}; "
+          f"median [min-max] over {repeats} rounds")
+    print("\nstages of the model:")
+    bubble_table(ranks, "schedules")
+    print("\nstages of fixed forward and backward times (each case's median times, equal on "
+          "both stages):")
+    bubble_table(ranks, "fixed")
     print("replayed: the same steps' measured compute times with messages that cost nothing; "
           "bubble - replayed is the transport's share, replayed - ideal the compute times' "
-          "(stages of unequal or varying speed); fixed: the same schedule run with every "
-          "forward and backward taking this case's median time on both stages, so its excess "
-          "over the ideal is the engine's own cost; the bubble split into waiting for messages "
+          "(stages of unequal or varying speed); with fixed times that share is the engine's "
+          "own cost; the bubble split into waiting for messages "
           "(and for the step's sends) and the other time that was not compute (the executor's "
           "own work between actions, zeroing gradients)")
     print("\npeak activation bytes held, 1F1B / GPipe (stage 0; ideal min(p, m) / m):")
