@@ -16,6 +16,7 @@ import torch
 
 from elastic.data.loader import to_device
 from elastic.runtime.control import Pending
+from elastic.runtime.randomness import seed_step
 from elastic.runtime.reporting import StepRow
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -48,7 +49,7 @@ def train_step(state, kit: StepKit, pending: Pending, runtime) -> tuple[StepRow,
     started = time.perf_counter()
     micro, next_cursor = kit.plan.step(state.cursor)
     # Dropout and other randomness replay identically after a restore.
-    torch.manual_seed(cfg.seed * 1_000_003 + state.step * 1009 + world.rank)
+    seed_step(cfg.seed, state.step, world.rank)
     model.train()
     optimizer.zero_grad(set_to_none=True)
     autocast = torch.autocast(kit.device.type, AUTOCAST[cfg.autocast]) if cfg.autocast else nullcontext()

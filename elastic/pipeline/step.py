@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from elastic.data.sampler import rank_share
 from elastic.runtime.control import Agreed, Pending, agree
+from elastic.runtime.randomness import seed_step
 from elastic.runtime.reporting import StepRow
 
 from .run import Run, next_batch
@@ -27,7 +26,7 @@ def train_step(run: Run, data: tuple, pending: Pending, allreduce_sum) -> tuple[
     # The last stage scales each microbatch's loss by 1 / the whole step's count.
     count = job.loss_count(tuple(t[indices] for t in data)) if grid.is_last else 1
     # Dropout replays identically after a restart from a checkpoint.
-    torch.manual_seed(run.train.seed * 1_000_003 + run.step * 1009 + run.world.rank)
+    seed_step(run.train.seed, run.step, run.world.rank)
     data_done = time.perf_counter()
 
     run.stage.module.train()
