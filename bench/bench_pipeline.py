@@ -57,6 +57,9 @@ def options(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="rounds over all the cases (interleaved)")
     parser.add_argument("--progress-thread", choices=("auto", "on", "off"), default="auto",
                         help="the MPI transport's progress thread (auto: where a core is free)")
+    parser.add_argument("--allocator", choices=("kept", "glibc"), default="kept",
+                        help="kept: the ranks keep freed memory, as Regatta's runtime does "
+                             "(elastic/runtime/memory.py); glibc: glibc's default")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -192,7 +195,9 @@ def worker(opts) -> None:
     from elastic.pipeline.grid import Grid, cut
     from elastic.pipeline.gloo_transport import GlooTransport, free_port
     from elastic.pipeline.transport import MpiTransport
+    from elastic.runtime.memory import keep_freed_memory
     torch.set_num_threads(1)
+    kept = opts.allocator == "kept" and keep_freed_memory()
     rank = MPI.COMM_WORLD.Get_rank()
     transport = MpiTransport(dp_color=rank, dp_key=0,
                              progress_thread={"on": True, "off": False}.get(opts.progress_thread))
@@ -200,7 +205,8 @@ def worker(opts) -> None:
     torch.manual_seed(0)
     layers = [m for _ in range(opts.layers) for m in (nn.Linear(opts.dim, opts.dim), nn.Tanh())]
     module = cut(nn.Sequential(*layers), *((0, opts.layers), (opts.layers, 2 * opts.layers))[rank])
-    result = {"schedules": {}, "fixed": {}, "progress_thread": transport.progress_thread}
+    result = {"schedules": {}, "fixed": {}, "progress_thread": transport.progress_thread,
+              "kept": kept}
     for _ in range(opts.repeats):   # rounds over every case: load that comes and goes hits all
         for schedule in ("gpipe", "1f1b"):
             for m in MICROBATCHES:
@@ -264,6 +270,7 @@ def report(ranks: list[dict]) -> None:
     p = 2
     repeats = len(ranks[0]["schedules"]["gpipe:1"])
     print(f"MPI transport's progress thread: {'on' if ranks[0]['progress_thread'] else 'off'}; "
+          f"freed memory: {'kept' if ranks[0]['kept'] else 'glibc default'}; "
           f"median [min-max] over {repeats} rounds")
     print("\nstages of the model:")
     bubble_table(ranks, "schedules")

@@ -16,7 +16,9 @@ arm alike, and no arm pays another's start-up.
 * stock: the same launcher, Horovod's documented elastic loop with DistributedOptimizer;
 * ddp: ``torchrun``, DistributedDataParallel over Gloo.
 
-Same job, data split, optimizer, global batch and threads per rank everywhere (an
+Same job, data split, optimizer, global batch, allocator setting (``--allocator``: by
+default every arm keeps the memory it frees, as Regatta's runtime does, see
+elastic/runtime/memory.py and bench_allocator.py) and threads per rank everywhere (an
 ``OMP_NUM_THREADS`` in the environment changes Regatta's alone, which follows it; the table
 says each arm's threads); Regatta commits only at its start (as the stock loop's
 TorchState does). An arm's rate in a turn is its rank 0's steps that ended inside the
@@ -49,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 BIN = Path(sys.executable).parent
 ARMS = ("regatta", "stock", "ddp")
 MODELS = ("charlm", "mlp")
+ALLOCATORS = ("kept", "glibc", "shipped")
 RANKS = 2
 FOREVER = 1_000_000              # steps: the bench stops the arms itself
 ISOLATED = "REGATTA_BENCH_ISOLATED"
@@ -63,6 +66,10 @@ def options(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="3 rounds of 4 s turns")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="config override for every arm, e.g. train.global_batch=64")
+    parser.add_argument("--allocator", choices=ALLOCATORS, default="kept",
+                        help="kept: every arm keeps freed memory as Regatta's runtime does (the "
+                             "engines compared alone); glibc: every arm on glibc's default; "
+                             "shipped: each arm as it ships (Regatta kept, the others glibc)")
     parser.add_argument("--shared-network", action="store_true",
                         help="stay in this network namespace (default as root: a private one)")
     opts = parser.parse_args(argv)
@@ -76,7 +83,7 @@ def options(argv=None) -> argparse.Namespace:
 
 
 # -- the arms' processes -------------------------------------------------------------------
-def start(arm: str, model: str, run_dir: Path, overrides: list[str]) -> subprocess.Popen:
+def start(arm: str, model: str, run_dir: Path, overrides: list[str], allocator: str) -> subprocess.Popen:
     job_args = ["--arm", arm, "--model", model, "--db", str(run_dir / "m.db"),
                 *[f"--set={pair}" for pair in overrides]]
     if arm == "ddp":
@@ -92,11 +99,19 @@ def start(arm: str, model: str, run_dir: Path, overrides: list[str]) -> subproce
                    "--", *job_args]
     # Gloo on loopback, as horovodrun's --network-interface lo (all ranks are local). No
     # OMP_NUM_THREADS of the bench's own: Regatta would follow it, the other arms not.
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "lo"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "lo",
+           **allocator_env(arm, allocator)}
     run_dir.mkdir(parents=True, exist_ok=True)
     log = open(launcher_log(run_dir), "w")
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
+
+
+def allocator_env(arm: str, allocator: str) -> dict:
+    """Whether the arm keeps freed memory (elastic/runtime/memory.py): Regatta's runtime
+    reads REGATTA_KEEP_FREED_MEMORY, the other arms' worker the same variable."""
+    keep = allocator == "kept" or (allocator == "shipped" and arm == "regatta")
+    return {"REGATTA_KEEP_FREED_MEMORY": "1" if keep else "0"}
 
 
 def launcher_log(run_dir: Path) -> Path:
@@ -162,7 +177,7 @@ def measure(model: str, opts, workdir: Path) -> dict:
     try:
         for arm in ARMS:
             run_dir = workdir / f"{model}-{arm}"
-            proc = start(arm, model, run_dir, opts.set)
+            proc = start(arm, model, run_dir, opts.set, opts.allocator)
             pids = warm_up(arm, proc, run_dir, opts.warmup)
             signal_all(pids, signal.SIGSTOP)
             arms[arm] = (proc, pids, run_dir)
@@ -204,11 +219,13 @@ def report(model: str, result: dict, memcpy: float) -> None:
     print(f"\n== {model}: {nbytes / 2**20:.1f} MiB of gradients, global batch {batch}, {RANKS} ranks, "
           f"{len(turns['regatta'])} turns of each arm")
     print(f"{'arm':8} {'steps/s median [min-max]':>26} {'samples/s':>10} {'peak RSS/rank MiB':>18} "
-          f"{'threads/rank':>12}")
+          f"{'threads/rank':>12} {'freed memory':>12}")
     for arm in ARMS:
         good = [r for r in rates[arm] if r is not None]
+        kept = {True: "kept", False: "glibc"}.get(logs[arm][0].get("keeps_freed_memory"), "?")
         print(f"{arm:8} {spread(good):>26} {statistics.median(good) * batch:10.1f} "
-              f"{max(result['rss'][arm]) / 2**20:18.0f} {logs[arm][0].get('threads', '?'):>12}")
+              f"{max(result['rss'][arm]) / 2**20:18.0f} {logs[arm][0].get('threads', '?'):>12} "
+              f"{kept:>12}")
     for other in ("stock", "ddp"):
         ratios = [a / b for a, b in zip(rates["regatta"], rates[other]) if a and b]
         print(f"regatta / {other:5}: {spread(ratios)} per round")

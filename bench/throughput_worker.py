@@ -28,6 +28,9 @@ from pathlib import Path
 
 import torch
 
+from elastic.runtime.env import Env
+from elastic.runtime.memory import keep_freed_memory
+
 ALLREDUCE_REPEATS = 5
 
 
@@ -171,9 +174,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arm", choices=ARMS, required=True)
     parser.add_argument("--model", choices=("charlm", "mlp"), required=True)
     ours, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    keeps = Env.read().keep_freed_memory      # bench_throughput --allocator
+    if keeps and ours.arm != "regatta":     # Regatta's runtime does it itself
+        keeps = keep_freed_memory()
     job, config = job_and_config(ours.model, rest)
     header = {"arm": ours.arm, "model": ours.model, "grad_bytes": grad_bytes(job),
-              "global_batch": config["train"].global_batch}
+              "global_batch": config["train"].global_batch, "keeps_freed_memory": keeps}
     ARMS[ours.arm](job, config, header)
 
 

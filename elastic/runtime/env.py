@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from elastic.faults import FaultPlan
 from elastic.restart import HANDOFF_ENV
 
+from .memory import user_tuned
+
 # Where launchers put a process's index among the ranks of its machine.
 LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "HOROVOD_LOCAL_RANK", "LOCAL_RANK",
                    "MPI_LOCALRANKID", "SLURM_LOCALID")
@@ -56,6 +58,7 @@ class Env:
     horovod_autotune: bool = False  # HOROVOD_AUTOTUNE on (a set cycle would pin its tuning)
     horovod_wake: bool | None = None   # HOROVOD_WAKE_ON_ENQUEUE=0|1 (None: on where Horovod can)
     horovod_controller: str = ""    # HOROVOD_CONTROLLER (horovodrun's Gloo sets "gloo"; "": MPI)
+    keep_freed_memory: bool = True  # REGATTA_KEEP_FREED_MEMORY=0, or glibc's MALLOC_* set: not
 
     @classmethod
     def read(cls, environ: dict | None = None) -> "Env":
@@ -78,7 +81,9 @@ class Env:
                    horovod_cycle_time=_milliseconds(env, "HOROVOD_CYCLE_TIME"),
                    horovod_autotune=bool(_flag(env, "HOROVOD_AUTOTUNE")),
                    horovod_wake=_flag(env, "HOROVOD_WAKE_ON_ENQUEUE"),
-                   horovod_controller=env.get("HOROVOD_CONTROLLER", "").strip().lower())
+                   horovod_controller=env.get("HOROVOD_CONTROLLER", "").strip().lower(),
+                   keep_freed_memory=_flag(env, "REGATTA_KEEP_FREED_MEMORY") is not False
+                   and not user_tuned(env))
 
     def slow_factor(self, rank: int, host: str) -> float:
         """The slowdown injected into this rank: by rank, else the fault plan's by host."""

@@ -27,6 +27,7 @@ from .control import Pending
 from .env import Env
 from .checkpoint_records import Checkpoints
 from .events import EventLog, Progress
+from .memory import keep_freed_memory
 from .registration import EarlyRegistration
 from .reporting import HostSampler, StepReporter, memcpy_bandwidth, process_started
 from .runs import code_revision, launcher_name, new_run_id, open_sink, resumed_run_id, run_row
@@ -47,6 +48,7 @@ class Runtime:
     def __init__(self, env: Env, cfg, job: str, config: dict, callbacks: list | None = None):
         self.created = time.time()
         self.env, self.cfg, self.job, self.config = env, cfg, job, config
+        self.keeps_freed_memory = env.keep_freed_memory and keep_freed_memory()
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.run_id = resumed_run_id(cfg) or new_run_id(job, env)
@@ -91,7 +93,8 @@ class Runtime:
         self.events.record("start", None, size=self.world.size, elastic=self.env.elastic,
                            engine=engine.name, fast_recovery=bool(self.recovery),
                            process_created=process_started(), runtime_created=self.created,
-                           init_started=started, horovod_cycle_ms=cycle, horovod_wakes=wakes)
+                           init_started=started, horovod_cycle_ms=cycle, horovod_wakes=wakes,
+                           keeps_freed_memory=self.keeps_freed_memory)
         self.sampler = HostSampler(self.sink, self.run_id, self.world.host, self.world.slot)
         if self.world.is_root and not self.env.replacing:   # once a run: 0.2 s of a recovery
             self.events.record("calibration", None, memcpy_bytes_per_s=memcpy_bandwidth())
