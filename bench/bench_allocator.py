@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.percentiles import percentile  # noqa: E402
+from elastic.runtime.memory import USER_TUNABLES  # noqa: E402
 
 MODELS = ("stage", "charlm", "mlp")
 ARMS = ("glibc", "kept")
@@ -88,7 +89,7 @@ def worker(name: str, arm: str, steps: int) -> None:
 # -- launcher side ----------------------------------------------------------------------------
 def run_arm(name: str, arm: str, steps: int) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    for tunable in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES"):
+    for tunable in USER_TUNABLES:
         env.pop(tunable, None)   # glibc's default is one of the arms
     done = subprocess.run([sys.executable, __file__, "--steps", str(steps), "--worker", name, arm],
                           env=env, capture_output=True, text=True, timeout=600)

@@ -6,10 +6,9 @@ own ``mmap`` and unmaps it when freed (it raises that threshold as it sees such 
 freed, up to 32 MB), and gives the top of its heap back to the kernel once enough of it is
 free (twice the threshold). A step frees and allocates the same activations and gradients
 every time, so the kernel zero-fills the same pages every step: bench_allocator.py
-measures about 1,000 page faults per forward and backward of an 8-layer MLP (512 wide, 32
-rows), which then take 1.3-1.6x as long, with a longer tail, as with the memory kept. The
-faults also make compute times vary, which widens a pipeline's bubble (each stage waits
-for the other's slowest action).
+measures 1,600 page faults a step for bench_pipeline's stage (8 Linear layers, 512 wide,
+32 rows) and 19,000 for the throughput bench's 26M-parameter MLP, whose steps then take
+1.4 times as long as with the memory kept (charlm, whose tensors are small: the same).
 
 :func:`keep_freed_memory` raises glibc's mmap threshold to its ceiling and stops trimming
 (``mallopt``), as jemalloc and tcmalloc behave by default: the memory of a step's peak
