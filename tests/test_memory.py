@@ -2,6 +2,7 @@
 faults in thousands of pages a step under glibc's default malloc and none once the
 runtime keeps what it frees; the environment can turn it off."""
 import json
+import statistics
 import sys
 
 from conftest import ROOT, run
@@ -11,21 +12,25 @@ from elastic.runtime.env import Env
 STEPS = 10
 
 
-def faults_per_step(arm: str) -> float:
-    """Mean minor page faults of the MLP's steps, in a fresh process (malloc's settings
+def faults_per_step(arm: str) -> list[int]:
+    """Minor page faults of each of the MLP's steps, in a fresh process (malloc's settings
     are per process)."""
     done = run([sys.executable, str(ROOT / "bench" / "bench_allocator.py"), "--steps", str(STEPS),
                 "--worker", "mlp", arm], timeout=120)
     line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
     faults = json.loads(line[len("RESULT "):])["faults"]
     assert len(faults) == STEPS
-    return sum(faults) / STEPS
+    return faults
 
 
 def test_a_step_faults_no_pages_in_once_freed_memory_is_kept():
     glibc, kept = faults_per_step("glibc"), faults_per_step("kept")
-    assert glibc > 1000, glibc      # 16 MB gradients given back and faulted in every step
-    assert kept < 50, kept
+    # 16 MB gradients given back and faulted in again: 8,000-26,000 pages a step
+    assert statistics.median(glibc) > 1000, glibc
+    # kept: none in a typical step; a step that first needs more heap than any before it
+    # still faults that growth in (seen: one step in ten, up to 4,096 pages)
+    assert statistics.median(kept) < 50, kept
+    assert statistics.mean(kept) < statistics.mean(glibc) / 10, (kept, glibc)
 
 
 def test_the_environment_turns_keeping_off():
