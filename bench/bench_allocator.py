@@ -1,7 +1,7 @@
 """A training step's time and page faults with glibc's default malloc against the runtime's
 kept freed memory (elastic/runtime/memory.py), side by side in one run.
 
-    .venv/bin/python bench/bench_allocator.py [--steps 100] [--rounds 3]     # about 2 minutes
+    .venv/bin/python bench/bench_allocator.py [--steps 100] [--rounds 3]     # about 3 minutes
 
 For each model, one process per arm and round, the arms alternating (load that comes and
 goes hits both alike), each on one thread: forward, backward, an SGD step and zeroing the
