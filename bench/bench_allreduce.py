@@ -3,13 +3,16 @@ this machine: the transports under Regatta's data-parallel engine and under torc
 
     .venv/bin/python bench/bench_allreduce.py [--mb 100] [--repeats 10] [--rounds 3]
 
-Each round starts one launch per transport, alternating which goes first (``horovodrun
---gloo`` and ``torchrun``, both on the loopback interface); each times, after a warm-up,
-``--repeats`` sums of ``--mb`` MB of float32 as one tensor and as 4 equal tensors started
-together (a model's gradient buckets), every rank starting after a barrier and waiting as
-the engines do (``hvd.synchronize``, ``Work.wait``). Prints the time per sum on rank 0
-(p50, p95, max over every round's repeats), the bus bandwidth at the p50, and Horovod /
-torch of the p50s per round.
+Each round starts one launch per arm, the order rotating (``horovodrun --gloo`` for two,
+``torchrun``, all on the loopback interface); each times, after a warm-up, ``--repeats``
+sums of ``--mb`` MB of float32 as one tensor and as 4 equal tensors started together (a
+model's gradient buckets), every rank starting after a barrier. The arms differ in the
+transport and in how they wait: horovod (Horovod's Gloo) in ``hvd.synchronize``, a yielding
+spin, as the stock DistributedOptimizer loop does; regatta (the same) as Regatta's engine
+does (runtime/collectives.py: a sum of 4 MB or more is waited for by sleeping between
+``hvd.poll`` calls); torch
+(torch.distributed's Gloo) in ``Work.wait``, a blocking wait, as DDP does. Prints the time per sum on rank 0 (p50, p95, max over every round's
+repeats), the bus bandwidth at the p50, and each Horovod arm / torch of the p50s per round.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from bench.percentiles import percentile  # noqa: E402
 
 BIN = Path(sys.executable).parent
-TRANSPORTS = ("horovod", "torch")
+TRANSPORTS = ("horovod", "regatta", "torch")
 LAYOUTS = (1, 4)          # tensors the MB are split into
 RANKS = 2
 
@@ -46,11 +49,17 @@ def options(argv=None) -> argparse.Namespace:
 def collectives(transport: str):
     """(rank, start a sum of one tensor in place, wait for it, barrier)."""
     import torch
-    if transport == "horovod":
+    if transport in ("horovod", "regatta"):
         import horovod.torch as hvd
+        from elastic.runtime.collectives import HorovodRequest
         hvd.init()
-        return (hvd.rank(), lambda t, name: hvd.allreduce_async_(t, op=hvd.Sum, name=name),
-                hvd.synchronize, lambda: hvd.allreduce(torch.zeros(1), name="bench.barrier"))
+        barrier = lambda: hvd.allreduce(torch.zeros(1), name="bench.barrier")  # noqa: E731
+        if transport == "horovod":
+            return (hvd.rank(), lambda t, name: hvd.allreduce_async_(t, op=hvd.Sum, name=name),
+                    hvd.synchronize, barrier)
+        return (hvd.rank(), lambda t, name: HorovodRequest(
+                    hvd, hvd.allreduce_async_(t, op=hvd.Sum, name=name), t.numel() * t.element_size()),
+                lambda request: request.wait(), barrier)
     import torch.distributed as dist
     dist.init_process_group("gloo")
     return dist.get_rank(), lambda t, name: dist.all_reduce(t, async_op=True), \
@@ -83,7 +92,7 @@ def worker(opts) -> None:
 # -- launcher side ----------------------------------------------------------------------------
 def launch(transport: str, opts) -> dict:
     args = [__file__, "--worker", transport, "--mb", str(opts.mb), "--repeats", str(opts.repeats)]
-    if transport == "horovod":
+    if transport in ("horovod", "regatta"):
         command = [str(BIN / "horovodrun"), "--gloo", "-np", str(RANKS), "-H", f"localhost:{RANKS}",
                    "--network-interface", "lo", sys.executable, *args]
     else:
@@ -100,15 +109,17 @@ def report(rounds: list[dict], mb: int) -> None:
     moved = (mb << 20) * 2 * (RANKS - 1) / RANKS   # a ring allreduce's bytes per rank
     for parts in LAYOUTS:
         print(f"\n{mb} MB as {parts} tensor{'s' if parts > 1 else ''}:")
-        print(f"  {'transport':9} {'p50 ms':>8} {'p95 ms':>8} {'max ms':>8} {'bus GB/s at p50':>16}")
+        print(f"  {'transport':13} {'p50 ms':>8} {'p95 ms':>8} {'max ms':>8} {'bus GB/s at p50':>16}")
         for transport in TRANSPORTS:
             times = [t for r in rounds for t in r[transport][parts]]
             p50 = percentile(times, 0.5)
-            print(f"  {transport:9} {p50 * 1e3:8.1f} {percentile(times, 0.95) * 1e3:8.1f} "
+            print(f"  {transport:13} {p50 * 1e3:8.1f} {percentile(times, 0.95) * 1e3:8.1f} "
                   f"{max(times) * 1e3:8.1f} {moved / p50 / 1e9:16.2f}")
-        ratios = [percentile(r["horovod"][parts], 0.5) / percentile(r["torch"][parts], 0.5) for r in rounds]
-        print(f"  horovod / torch, p50 per round: {statistics.median(ratios):.2f} "
-              f"[{min(ratios):.2f}-{max(ratios):.2f}] over {len(ratios)} rounds")
+        for transport in TRANSPORTS[:-1]:
+            ratios = [percentile(r[transport][parts], 0.5) / percentile(r["torch"][parts], 0.5)
+                      for r in rounds]
+            print(f"  {transport} / torch, p50 per round: {statistics.median(ratios):.2f} "
+                  f"[{min(ratios):.2f}-{max(ratios):.2f}] over {len(ratios)} rounds")
 
 
 def main(argv=None) -> None:
@@ -117,7 +128,7 @@ def main(argv=None) -> None:
         return worker(opts)
     rounds = []
     for index in range(opts.rounds):
-        order = TRANSPORTS if index % 2 == 0 else TRANSPORTS[::-1]
+        order = TRANSPORTS[index % len(TRANSPORTS):] + TRANSPORTS[:index % len(TRANSPORTS)]
         rounds.append({transport: launch(transport, opts) for transport in order})
         print(f"round {index + 1}/{opts.rounds} done", file=sys.stderr, flush=True)
     report(rounds, opts.mb)

@@ -89,7 +89,7 @@ def worker(out: Path) -> None:
     from mpi4py import MPI
     from elastic.pipeline.gloo_transport import GlooTransport, free_port
     from elastic.pipeline.transport import MpiTransport
-    from elastic.pipeline.waiting import poll
+    from elastic.runtime.waiting import poll
     from elastic.runtime.world import World
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD

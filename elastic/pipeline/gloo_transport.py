@@ -8,7 +8,7 @@ import contextlib
 import socket
 
 from .transport import Handle, Transport
-from .waiting import POLL_CAP_S
+from elastic.runtime.waiting import POLL_CAP_S
 
 
 class _GlooHandle(Handle):

@@ -23,7 +23,7 @@ import os
 import threading
 import time
 
-from .waiting import fine_timer_slack
+from elastic.runtime.waiting import fine_timer_slack
 
 INTERVAL_S = 1e-4
 NEVER_TAG = 32001           # no message carries it: an Iprobe that only drives progress

@@ -15,7 +15,7 @@ arrives, and the hot path sets nothing up.
 
 Where a core is free for it, a thread keeps MPI's messages moving while the stage computes
 (progress.py: without it a message may move only when its sender next calls MPI).
-MPI requests are waited on by testing them (waiting.py: OpenMPI busy-spins in ``Wait``,
+MPI requests are waited on by testing them (runtime/waiting.py: OpenMPI busy-spins in ``Wait``,
 which steals the CPU from the stage being waited for when ranks share cores). Gloo's own
 wait sleeps on a condition and is used as is. Pickling is used only off the hot path
 (``gather_object`` at the end of a run).
@@ -42,7 +42,7 @@ import os
 import torch
 
 from . import progress
-from .waiting import POLL_CAP_S, SPIN_ALONE_S, SPIN_S, fine_timer_slack, poll
+from elastic.runtime.waiting import POLL_CAP_S, SPIN_ALONE_S, SPIN_S, fine_timer_slack, poll
 
 
 class Handle:

@@ -1,13 +1,15 @@
-"""How a pipeline rank waits for a message without stealing the CPU from the rank it
-waits for.
+"""How a rank waits for a collective or a message without stealing the CPU from the work
+it waits for.
 
-OpenMPI busy-spins in ``Wait``; with several ranks per core (CI, laptops) a spinning stage
-takes the core from the stage it is waiting for. ``poll`` tests back to back for a while
-(most waits inside a busy pipeline end there: a message is noticed within microseconds),
-then sleeps between tests, at most ``cap_s``, with the thread's timer slack lowered
-(``fine_timer_slack``) so that a short sleep is short. A transport spins for
+OpenMPI busy-spins in ``Wait``, and Horovod's ``synchronize`` spins yielding; with several
+ranks per core (CI, laptops) a spinning pipeline stage takes the core from the stage it is
+waiting for, and a rank spinning for its gradient sum takes it from Horovod's own threads,
+which compute that sum (bench_allreduce.py). ``poll`` tests back to back for a while (most
+waits inside a busy pipeline end there: a message is noticed within microseconds), then
+sleeps between tests, at most ``cap_s``, with the thread's timer slack lowered
+(``fine_timer_slack``) so that a short sleep is short. A pipeline transport spins for
 ``SPIN_ALONE_S`` when this machine has a core for each of its ranks (as MPI itself does),
-else for ``SPIN_S``.
+else for ``SPIN_S``; the data-parallel engine's wait for its buckets does not spin.
 """
 from __future__ import annotations
 
