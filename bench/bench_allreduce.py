@@ -3,16 +3,20 @@ this machine: the transports under Regatta's data-parallel engine and under torc
 
     .venv/bin/python bench/bench_allreduce.py [--mb 100] [--repeats 10] [--rounds 3]
 
-Each round starts one launch per arm, the order rotating (``horovodrun --gloo`` for two,
-``torchrun``, all on the loopback interface); each times, after a warm-up, ``--repeats``
-sums of ``--mb`` MB of float32 as one tensor and as 4 equal tensors started together (a
-model's gradient buckets), every rank starting after a barrier. The arms differ in the
-transport and in how they wait: horovod (Horovod's Gloo) in ``hvd.synchronize``, a yielding
-spin, as the stock DistributedOptimizer loop does; regatta (the same) as Regatta's engine
-does (runtime/collectives.py: a sum of 4 MB or more is waited for by sleeping between
-``hvd.poll`` calls); torch
-(torch.distributed's Gloo) in ``Work.wait``, a blocking wait, as DDP does. Prints the time per sum on rank 0 (p50, p95, max over every round's
-repeats), the bus bandwidth at the p50, and each Horovod arm / torch of the p50s per round.
+Each round starts one launch per arm, the order rotating (``horovodrun --gloo`` for the
+two Horovod arms, ``torchrun`` for torch, all on the loopback interface); each times, after
+a warm-up, ``--repeats`` sums of ``--mb`` MB of float32 as one tensor and as 4 equal
+tensors started together (a model's gradient buckets), every rank starting after a
+barrier. The arms differ in the transport and in how they wait:
+
+* horovod: Horovod's Gloo, waited on in ``hvd.synchronize`` (a yielding spin), as the
+  stock DistributedOptimizer loop does;
+* regatta: Horovod's Gloo, waited on as Regatta's engine does (runtime/collectives.py: a
+  sum of 4 MB or more asleep between ``hvd.poll`` calls);
+* torch: torch.distributed's Gloo, waited on in ``Work.wait`` (a blocking wait), as DDP does.
+
+Prints the time per sum on rank 0 (p50, p95, max over every round's repeats), the bus
+bandwidth at the p50, and each Horovod arm / torch of the p50s per round.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from bench.percentiles import percentile  # noqa: E402
 
 BIN = Path(sys.executable).parent
 TRANSPORTS = ("horovod", "regatta", "torch")
+HOROVOD_ARMS = ("horovod", "regatta")   # launched by horovodrun
 LAYOUTS = (1, 4)          # tensors the MB are split into
 RANKS = 2
 
@@ -49,7 +54,7 @@ def options(argv=None) -> argparse.Namespace:
 def collectives(transport: str):
     """(rank, start a sum of one tensor in place, wait for it, barrier)."""
     import torch
-    if transport in ("horovod", "regatta"):
+    if transport in HOROVOD_ARMS:
         import horovod.torch as hvd
         from elastic.runtime.collectives import HorovodRequest
         hvd.init()
@@ -92,7 +97,7 @@ def worker(opts) -> None:
 # -- launcher side ----------------------------------------------------------------------------
 def launch(transport: str, opts) -> dict:
     args = [__file__, "--worker", transport, "--mb", str(opts.mb), "--repeats", str(opts.repeats)]
-    if transport in ("horovod", "regatta"):
+    if transport in HOROVOD_ARMS:
         command = [str(BIN / "horovodrun"), "--gloo", "-np", str(RANKS), "-H", f"localhost:{RANKS}",
                    "--network-interface", "lo", sys.executable, *args]
     else:

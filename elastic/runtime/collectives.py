@@ -173,11 +173,11 @@ class HorovodRequest:
         return self.hvd.poll(self.handle)
 
     def wait(self) -> None:
-        # synchronize spins, yielding: a short sum ends sooner so, but a long one (a large
-        # model's bucket) runs slower beside it, as the spin holds a core that Horovod's
-        # threads need for the sum itself (bench_allreduce: one 100 MB sum on 2 ranks here
-        # took 1.40-1.57x torch.distributed's time spinning, 0.95-1.07x asleep). Those
-        # sleep between polls.
+        # synchronize spins, yielding. A short sum is noticed sooner that way, but a long one
+        # (a large model's bucket) runs slower beside the spin, which holds a core that
+        # Horovod's threads need for the sum itself (bench_allreduce: one 100 MB sum on 2
+        # ranks here took 1.40-1.57x torch.distributed's time spinning, 0.95-1.07x asleep),
+        # so long sums are waited for asleep between polls.
         if self.nbytes >= SLEPT_WAIT_BYTES:
             poll(lambda: self.hvd.poll(self.handle), cap_s=WAIT_CAP_S, spin_s=0.0)
         self.hvd.synchronize(self.handle)   # raises the collective's failure
