@@ -11,8 +11,9 @@ barrier. The arms differ in the transport and in how they wait:
 
 * horovod: Horovod's Gloo, waited on in ``hvd.synchronize`` (a yielding spin), as the
   stock DistributedOptimizer loop does;
-* regatta: Horovod's Gloo, waited on as Regatta's engine does (runtime/collectives.py: a
-  sum of 4 MB or more asleep between ``hvd.poll`` calls);
+* regatta: Horovod's Gloo, started and waited on as Regatta's engine does
+  (runtime/collectives.py: Horovod's fusion off, a sum of 4 MB or more waited for asleep
+  between ``hvd.poll`` calls);
 * torch: torch.distributed's Gloo, waited on in ``Work.wait`` (a blocking wait), as DDP does.
 
 Prints the time per sum on rank 0 (p50, p95, max over every round's repeats), the bus
@@ -56,7 +57,11 @@ def collectives(transport: str):
     import torch
     if transport in HOROVOD_ARMS:
         import horovod.torch as hvd
-        from elastic.runtime.collectives import HorovodRequest
+        from elastic.runtime.collectives import FUSION_ENV, HorovodRequest, horovod_fusion_bytes
+        from elastic.runtime.env import Env
+        fusion = horovod_fusion_bytes(Env.read())
+        if transport == "regatta" and fusion is not None:   # as start_horovod sets it
+            os.environ[FUSION_ENV] = str(fusion)
         hvd.init()
         barrier = lambda: hvd.allreduce(torch.zeros(1), name="bench.barrier")  # noqa: E731
         if transport == "horovod":

@@ -86,6 +86,20 @@ def test_threads_per_rank_come_from_omp_num_threads_else_the_shared_cores():
             Env.read({"OMP_NUM_THREADS": bad})
 
 
+def test_horovods_fusion_is_off_unless_the_environment_sets_it_or_tunes_it():
+    from elastic.runtime.collectives import horovod_fusion_bytes
+    from elastic.runtime.env import Env, EnvError
+    assert [horovod_fusion_bytes(Env.read(env)) for env in
+            ({}, {"HOROVOD_FUSION_THRESHOLD": "67108864"}, {"HOROVOD_FUSION_THRESHOLD": "0"},
+             {"HOROVOD_AUTOTUNE": "1"}, {"HOROVOD_AUTOTUNE": "0"})] == [0, None, None, None, 0]
+    assert [Env.read(env).horovod_fusion_threshold for env in
+            ({}, {"HOROVOD_FUSION_THRESHOLD": " "}, {"HOROVOD_FUSION_THRESHOLD": "1048576"})] == \
+        [None, None, 1 << 20]
+    for bad in ("64MB", "-1", "1.5"):
+        with pytest.raises(EnvError, match="HOROVOD_FUSION_THRESHOLD must be"):
+            Env.read({"HOROVOD_FUSION_THRESHOLD": bad})
+
+
 def test_horovods_cycle_on_the_cpu_is_20_ms_waking_5_not_unless_the_job_or_the_environment_names_one():
     from elastic.runtime.collectives import horovod_cycle_ms
     from elastic.runtime.device import wants_cpu

@@ -34,8 +34,9 @@ def test_finishes_on_the_survivors(kill_run):
     assert report["exit_code"] == 0 and report["final_step"] == STEPS
     assert report["final_world_size"] == 2 and report["metrics"]["accuracy"] > 0.5
     # a script of its own on the CPU, no cycle named: Regatta's 20 ms, woken by every
-    # queued tensor (tools/horovod-wake-on-enqueue.patch), in every worker
-    assert {(e["horovod_cycle_ms"], e["horovod_wakes"]) for e in kinds(report, "start")} == {(20.0, True)}
+    # queued tensor (tools/horovod-wake-on-enqueue.patch), Horovod's fusion off, in every worker
+    assert {(e["horovod_cycle_ms"], e["horovod_wakes"], e["horovod_fusion_bytes"])
+            for e in kinds(report, "start")} == {(20.0, True, 0)}
     assert all(e["keeps_freed_memory"] for e in kinds(report, "start"))   # runtime/memory.py
     (restore,) = {(e["step"], e["steps_redone"]) for e in kinds(report, "restore")}
     assert restore == (30, KILL_AT - 30)

@@ -4,8 +4,9 @@
 # Installs OpenMPI and PostgreSQL (Debian; the tests start a throwaway PostgreSQL
 # cluster of their own, the packaged service is never used), a virtualenv in .venv,
 # torch 2.13.0 CPU, mpi4py, Horovod 0.28.1 built from its sdist with the C++17 change
-# (see ../shared/DESIGN.md) and our wake-on-enqueue patch (tools/), and the project itself. A built Horovod wheel is cached outside the checkout, keyed by Horovod,
-# torch and Python versions, so a second set-up takes seconds.
+# (see ../shared/DESIGN.md) and our two patches (tools/horovod-*.patch), and the project
+# itself. A built Horovod wheel is cached outside the checkout, keyed by Horovod, torch and
+# Python versions and the patches, so a second set-up takes seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -42,10 +43,13 @@ fi
 PY=$VENV/bin/python
 PIP="$PY -m pip"
 
-if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ] && [ "$STAMP" -nt tools/setup.sh ] \
-    && [ "$STAMP" -nt tools/horovod-wake-on-enqueue.patch ]; then
-  exit 0
-fi
+# Our patches to Horovod, each saying why at its top.
+PATCHES="tools/horovod-wake-on-enqueue.patch tools/horovod-fixed-parameters-on-reinit.patch"
+fresh=1
+for file in pyproject.toml tools/setup.sh $PATCHES; do
+  [ -f "$STAMP" ] && [ "$STAMP" -nt "$file" ] || fresh=0
+done
+[ "$fresh" = 1 ] && exit 0
 
 if ! $PY -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
   step "torch $TORCH_VERSION (CPU, from the machine's disk when it is there)"
@@ -53,10 +57,9 @@ if ! $PY -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TO
 fi
 
 PYTAG=$($PY -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
-# The recipe below, our patch included: a changed patch builds a new wheel, and a venv
+# The recipe below, our patches included: a changed patch builds a new wheel, and a venv
 # whose Horovod came from another recipe gets this one's.
-WAKE_PATCH=tools/horovod-wake-on-enqueue.patch
-RECIPE=horovod-$HOROVOD_VERSION-torch$TORCH_VERSION-$PYTAG-nodebug-wake$(sha256sum $WAKE_PATCH | cut -c1-8)
+RECIPE=horovod-$HOROVOD_VERSION-torch$TORCH_VERSION-$PYTAG-nodebug-patches$(cat $PATCHES | sha256sum | cut -c1-8)
 WHEELDIR=$CACHE/$RECIPE
 if ! $PY -c "import horovod.torch" 2>/dev/null || [ "$(cat "$VENV/.horovod-recipe" 2>/dev/null)" != "$RECIPE" ]; then
   if ! ls "$WHEELDIR"/horovod-*.whl >/dev/null 2>&1; then
@@ -76,8 +79,9 @@ if ! $PY -c "import horovod.torch" 2>/dev/null || [ "$(cat "$VENV/.horovod-recip
     sed -i 's/string(REPLACE "-O2" "-O3" CMAKE_\(C\|CXX\)_FLAGS_RELWITHDEBINFO/string(REPLACE "-O2 -g" "-O3" CMAKE_\1_FLAGS_RELWITHDEBINFO/' \
       "$src/CMakeLists.txt"
     [ "$(grep -c 'REPLACE "-O2 -g" "-O3"' "$src/CMakeLists.txt")" = 2 ]
-    # A queued tensor wakes Horovod's loop instead of waiting out its cycle (the patch says why).
-    patch -d "$src" -p1 --quiet < $WAKE_PATCH
+    # A queued tensor wakes Horovod's loop instead of waiting out its cycle; an elastic
+    # reset keeps the fusion threshold and cycle the environment fixed.
+    for file in $PATCHES; do patch -d "$src" -p1 --quiet < "$file"; done
     # Newer toolchains (a newer GCC and CMake 4, seen on a CUDA 13 machine): Horovod's headers
     # leave out standard includes that older libstdc++ pulled in (<string> in group_table.h,
     # <stdexcept> in common.h), so they are forced into every file; CMake 4 refuses

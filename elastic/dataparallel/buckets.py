@@ -4,8 +4,8 @@ gradients, that travel as one collective (Horovod's tensor fusion, torch DDP's b
 A bucket owns one flat buffer, and its parameters' ``.grad`` are views into it (DDP's
 ``gradient_as_bucket_view``): a gradient backward made elsewhere (after ``zero_grad``
 set it to None) is copied in once when complete, and the bucket is then one tensor summed
-in place by one Horovod allreduce, so Horovod copies nothing into or out of its fusion
-buffer. The buffers live as long as the reducer (one gradient-sized allocation, as DDP's
+in place by one Horovod allreduce, and Horovod's own fusion is off (start_horovod), so
+Horovod copies nothing into or out of its fusion buffer. The buffers live as long as the reducer (one gradient-sized allocation, as DDP's
 buckets). The step's agreement vector, when this bucket carries it, is the buffer's tail.
 The division by the global count happens before the sum, on the training thread, by the
 count the reducer expects (as DDP divides before its allreduce): Horovod's postscale would

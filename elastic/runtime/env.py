@@ -58,6 +58,7 @@ class Env:
     horovod_autotune: bool = False  # HOROVOD_AUTOTUNE on (a set cycle would pin its tuning)
     horovod_wake: bool | None = None   # HOROVOD_WAKE_ON_ENQUEUE=0|1 (None: on where Horovod can)
     horovod_controller: str = ""    # HOROVOD_CONTROLLER (horovodrun's Gloo sets "gloo"; "": MPI)
+    horovod_fusion_threshold: int | None = None   # HOROVOD_FUSION_THRESHOLD (bytes), when set
     keep_freed_memory: bool = True  # REGATTA_KEEP_FREED_MEMORY=0, or glibc's MALLOC_* set: not
 
     @classmethod
@@ -82,6 +83,7 @@ class Env:
                    horovod_autotune=bool(_flag(env, "HOROVOD_AUTOTUNE")),
                    horovod_wake=_flag(env, "HOROVOD_WAKE_ON_ENQUEUE"),
                    horovod_controller=env.get("HOROVOD_CONTROLLER", "").strip().lower(),
+                   horovod_fusion_threshold=_bytes(env, "HOROVOD_FUSION_THRESHOLD"),
                    keep_freed_memory=_flag(env, "REGATTA_KEEP_FREED_MEMORY") is not False
                    and not user_tuned(env))
 
@@ -121,6 +123,15 @@ def _milliseconds(env, name: str) -> float | None:
         value = -1.0
     if not value >= 0:
         raise EnvError(f"{name} must be a number of milliseconds >= 0, got {text!r}")
+    return value
+
+
+def _bytes(env, name: str) -> int | None:
+    if not env.get(name, "").strip():
+        return None
+    value = _int(env, name, 0)
+    if value < 0:
+        raise EnvError(f"{name} must be a number of bytes >= 0, got {env[name]!r}")
     return value
 
 

@@ -78,9 +78,9 @@ class Runtime:
         self.registration = EarlyRegistration() if engine.uses_horovod and self.env.elastic else None
         if self.recovery:
             self.recovery.before_init()
-        started, cycle, wakes = time.time(), None, None
+        started, horovod = time.time(), None
         if engine.uses_horovod:
-            hvd, cycle, wakes = start_horovod(self.cfg, self.env)
+            hvd, horovod = start_horovod(self.cfg, self.env)
             self.hvd, self.collectives = hvd, HorovodCollectives(hvd)
             self.world = World.from_horovod(hvd, self.env.host)
         elif self.world.size > 1:
@@ -93,7 +93,9 @@ class Runtime:
         self.events.record("start", None, size=self.world.size, elastic=self.env.elastic,
                            engine=engine.name, fast_recovery=bool(self.recovery),
                            process_created=process_started(), runtime_created=self.created,
-                           init_started=started, horovod_cycle_ms=cycle, horovod_wakes=wakes,
+                           init_started=started, horovod_cycle_ms=horovod and horovod.cycle_ms,
+                           horovod_wakes=horovod and horovod.wakes,
+                           horovod_fusion_bytes=horovod and horovod.fusion_bytes,
                            keeps_freed_memory=self.keeps_freed_memory)
         self.sampler = HostSampler(self.sink, self.run_id, self.world.host, self.world.slot)
         if self.world.is_root and not self.env.replacing:   # once a run: 0.2 s of a recovery
