@@ -5,10 +5,10 @@ A bucket owns one flat buffer, and its parameters' ``.grad`` are views into it (
 ``gradient_as_bucket_view``): a gradient backward made elsewhere (after ``zero_grad``
 set it to None) is copied in once when complete, and the bucket is then one tensor summed
 in place by one Horovod allreduce, and Horovod's own fusion is off (start_horovod), so
-Horovod copies nothing into or out of its fusion buffer. The buffers live as long as the reducer (one gradient-sized allocation, as DDP's
-buckets). The step's agreement vector, when this bucket carries it, is the buffer's tail.
-The division by the global count happens before the sum, on the training thread, by the
-count the reducer expects (as DDP divides before its allreduce): Horovod's postscale would
+Horovod copies nothing into or out of its fusion buffer. The buffers live as long as the
+reducer (one gradient-sized allocation, as DDP's buckets). The step's agreement vector,
+when this bucket carries it, is the buffer's tail. The division by the global count
+happens before the sum, on the training thread, by the count the reducer expects (as DDP divides before its allreduce): Horovod's postscale would
 do it after, in one scalar loop on its background thread, which holds up every bucket
 queued behind it. In the rare step whose count differs, ``read_back`` corrects it. With
 compression the buffer is in the narrow dtype instead: each gradient is cast into it when

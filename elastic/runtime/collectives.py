@@ -120,8 +120,9 @@ def horovod_fusion_bytes(env) -> int | None:
     summed in place. Horovod's fusion would copy two buckets that are queued in the same
     cycle (as the later buckets of a backward are, behind one in flight) into its fusion
     buffer and back, memory traffic the size of the gradients, on the thread every bucket
-    waits for. Measured with the 26M-parameter MLP (bench_throughput, 3 runs each way,
-    Regatta / DDP): fused 0.91, 0.93, 0.94; never fused 0.975, 0.93, 0.966."""
+    waits for. Measured with the 26M-parameter MLP (bench_throughput, Regatta / DDP, 3 runs
+    each way, alternating): fused 0.91, 0.93, 0.94; never fused 0.975, 0.93, 0.966 (README,
+    "Horovod's fusion off")."""
     if env.horovod_fusion_threshold is not None or env.horovod_autotune:
         return None
     return 0
