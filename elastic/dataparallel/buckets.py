@@ -8,11 +8,12 @@ in place by one Horovod allreduce, and Horovod's own fusion is off (start_horovo
 Horovod copies nothing into or out of its fusion buffer. The buffers live as long as the
 reducer (one gradient-sized allocation, as DDP's buckets). The step's agreement vector,
 when this bucket carries it, is the buffer's tail. The division by the global count
-happens before the sum, on the training thread, by the count the reducer expects (as DDP divides before its allreduce): Horovod's postscale would
-do it after, in one scalar loop on its background thread, which holds up every bucket
-queued behind it. In the rare step whose count differs, ``read_back`` corrects it. With
-compression the buffer is in the narrow dtype instead: each gradient is cast into it when
-complete, and cast back and divided afterwards.
+happens before the sum, on the training thread, by the count the reducer expects (as
+DDP divides before its allreduce): Horovod's postscale would do it after, in one scalar
+loop on its background thread, which holds up every bucket queued behind it. In the rare
+step whose count differs, ``read_back`` corrects it. With compression the buffer is in
+the narrow dtype instead: each gradient is cast into it when complete, and cast back and
+divided afterwards.
 """
 from __future__ import annotations
 
