@@ -96,8 +96,11 @@ def test_horovods_fusion_is_off_unless_the_environment_sets_it_or_tunes_it():
             ({}, {"HOROVOD_FUSION_THRESHOLD": " "}, {"HOROVOD_FUSION_THRESHOLD": "1048576"})] == \
         [None, None, 1 << 20]
     for bad in ("64MB", "-1", "1.5"):
-        with pytest.raises(EnvError, match="HOROVOD_FUSION_THRESHOLD must be"):
+        with pytest.raises(EnvError, match="HOROVOD_FUSION_THRESHOLD must be a whole number of bytes"):
             Env.read({"HOROVOD_FUSION_THRESHOLD": bad})
+    # HOROVOD_AUTOTUNE as Horovod reads it (C's strtol > 0): "true" leaves it off there
+    assert [Env.read({"HOROVOD_AUTOTUNE": text}).horovod_autotune for text in
+            ("1", "2", " 1 ", "0", "true", "yes", "", "-1")] == [True, True, True] + [False] * 5
 
 
 def test_horovods_cycle_on_the_cpu_is_20_ms_waking_5_not_unless_the_job_or_the_environment_names_one():

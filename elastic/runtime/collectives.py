@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 
 from .device import wants_cpu
+from .env import Env
 from .waiting import fine_timer_slack, poll
 
 SLEPT_WAIT_BYTES = 4 << 20   # a sum this large (milliseconds here) is waited for asleep
@@ -108,8 +109,8 @@ def start_horovod(cfg, env):
     if fusion is not None:
         os.environ[FUSION_ENV] = str(fusion)
     hvd.init()
-    return hvd, HorovodSettings(cycle if cycle is not None else env.horovod_cycle_time, wakes,
-                                fusion if fusion is not None else env.horovod_fusion_threshold)
+    read = Env.read(os.environ)   # what hvd.init read: the environment's values, or ours
+    return hvd, HorovodSettings(read.horovod_cycle_time, wakes, read.horovod_fusion_threshold)
 
 
 def horovod_fusion_bytes(env) -> int | None:

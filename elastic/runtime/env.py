@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 from dataclasses import dataclass, field
 
@@ -55,7 +56,7 @@ class Env:
     launch_key: str = ""            # what every process of one launch shares (run ids)
     replacing: bool = False         # REGATTA_HANDOFF set: this worker takes a failed one's place
     horovod_cycle_time: float | None = None   # HOROVOD_CYCLE_TIME (ms), when set
-    horovod_autotune: bool = False  # HOROVOD_AUTOTUNE on (a set cycle would pin its tuning)
+    horovod_autotune: bool = False  # HOROVOD_AUTOTUNE > 0, Horovod's reading (a set cycle pins it)
     horovod_wake: bool | None = None   # HOROVOD_WAKE_ON_ENQUEUE=0|1 (None: on where Horovod can)
     horovod_controller: str = ""    # HOROVOD_CONTROLLER (horovodrun's Gloo sets "gloo"; "": MPI)
     horovod_fusion_threshold: int | None = None   # HOROVOD_FUSION_THRESHOLD (bytes), when set
@@ -80,7 +81,7 @@ class Env:
                    pipe_init=env.get("REGATTA_PIPE_INIT", ""), launch_key=_launch_key(env),
                    replacing=bool(env.get(HANDOFF_ENV)),
                    horovod_cycle_time=_milliseconds(env, "HOROVOD_CYCLE_TIME"),
-                   horovod_autotune=bool(_flag(env, "HOROVOD_AUTOTUNE")),
+                   horovod_autotune=_strtol(env.get("HOROVOD_AUTOTUNE", "")) > 0,
                    horovod_wake=_flag(env, "HOROVOD_WAKE_ON_ENQUEUE"),
                    horovod_controller=env.get("HOROVOD_CONTROLLER", "").strip().lower(),
                    horovod_fusion_threshold=_bytes(env, "HOROVOD_FUSION_THRESHOLD"),
@@ -127,12 +128,19 @@ def _milliseconds(env, name: str) -> float | None:
 
 
 def _bytes(env, name: str) -> int | None:
-    if not env.get(name, "").strip():
+    text = env.get(name, "").strip()
+    if not text:
         return None
-    value = _int(env, name, 0)
-    if value < 0:
-        raise EnvError(f"{name} must be a number of bytes >= 0, got {env[name]!r}")
-    return value
+    if not text.isdigit():
+        raise EnvError(f"{name} must be a whole number of bytes >= 0, got {text!r}")
+    return int(text)
+
+
+def _strtol(text: str) -> int:
+    """The integer C's ``strtol`` reads at the start of ``text`` (0 where none), as Horovod
+    reads its switches: ``HOROVOD_AUTOTUNE=true`` is off there."""
+    found = re.match(r"\s*([+-]?\d+)", text)
+    return int(found.group(1)) if found else 0
 
 
 def _flag(env, name: str) -> bool | None:
