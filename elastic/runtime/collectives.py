@@ -86,11 +86,11 @@ FUSION_ENV = "HOROVOD_FUSION_THRESHOLD"
 
 @dataclass(frozen=True)
 class HorovodSettings:
-    """What :func:`start_horovod` set for Horovod (None: Horovod's own default, its
-    autotuner's or the environment's)."""
-    cycle_ms: float | None
-    wakes: bool
-    fusion_bytes: int | None
+    """What Horovod runs with, as its ``hvd.init`` read it from the environment (None:
+    Horovod's own default or its autotuner's; all None: Horovod not started)."""
+    cycle_ms: float | None = None
+    wakes: bool | None = None
+    fusion_bytes: int | None = None
 
 
 def start_horovod(cfg, env):

@@ -21,7 +21,8 @@ from elastic.recovery import FastRecovery
 from elastic.liveness import Heartbeat
 from elastic.whole_files import replace_text
 
-from .collectives import Alone, HorovodCollectives, MpiCollectives, start_horovod
+from .collectives import (Alone, HorovodCollectives, HorovodSettings, MpiCollectives,
+                          start_horovod)
 from .commit_policy import CommitPolicy
 from .control import Pending
 from .env import Env
@@ -78,7 +79,7 @@ class Runtime:
         self.registration = EarlyRegistration() if engine.uses_horovod and self.env.elastic else None
         if self.recovery:
             self.recovery.before_init()
-        started, horovod = time.time(), None
+        started, horovod = time.time(), HorovodSettings()
         if engine.uses_horovod:
             hvd, horovod = start_horovod(self.cfg, self.env)
             self.hvd, self.collectives = hvd, HorovodCollectives(hvd)
@@ -93,9 +94,8 @@ class Runtime:
         self.events.record("start", None, size=self.world.size, elastic=self.env.elastic,
                            engine=engine.name, fast_recovery=bool(self.recovery),
                            process_created=process_started(), runtime_created=self.created,
-                           init_started=started, horovod_cycle_ms=horovod and horovod.cycle_ms,
-                           horovod_wakes=horovod and horovod.wakes,
-                           horovod_fusion_bytes=horovod and horovod.fusion_bytes,
+                           init_started=started, horovod_cycle_ms=horovod.cycle_ms,
+                           horovod_wakes=horovod.wakes, horovod_fusion_bytes=horovod.fusion_bytes,
                            keeps_freed_memory=self.keeps_freed_memory)
         self.sampler = HostSampler(self.sink, self.run_id, self.world.host, self.world.slot)
         if self.world.is_root and not self.env.replacing:   # once a run: 0.2 s of a recovery
