@@ -16,10 +16,10 @@ two cores (bench/bench_state.py), the steps a write overlaps still ran 1.32x slo
 niced thread: 1.60x; the write replaced by a sleep: 0.99x): the write's I/O slows the
 ranks even on the other core. Written past the page cache (direct_file.py), 1.19-1.29x;
 also paced over SPREAD of the time between checkpoints, 0.98x and 0.975x (every step a
-write overlapped over the steps just before it, two runs; README: "elastic state"). The writer is started
-ahead of need (``start``, for states of PROCESS_MIN_BYTES or more), dies with the training process
-(``PR_SET_PDEATHSIG``), and is started again if it died; without it, and until it says it
-is ready (its imports take a second or two), writes go from a niced thread as before.
+write overlapped over the steps just before it, two runs; docs/measurements.md). The writer
+is started ahead of need (``start``, for states of PROCESS_MIN_BYTES or more), dies with
+the training process (``PR_SET_PDEATHSIG``), and is started again if it died; without it,
+and until it says it is ready (its imports take a second or two), writes go from a niced thread as before.
 
     python -m elastic.runtime.checkpoint_writer SOCKET_FD PARENT_PID   (CheckpointWriter starts it)
 """

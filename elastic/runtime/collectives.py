@@ -122,8 +122,8 @@ def horovod_fusion_bytes(env) -> int | None:
     cycle (as the later buckets of a backward are, behind one in flight) into its fusion
     buffer and back, memory traffic the size of the gradients, on the thread every bucket
     waits for. Measured with the 26M-parameter MLP (bench_throughput, Regatta / DDP, 3 runs
-    each way, alternating): fused 0.91, 0.93, 0.94; never fused 0.975, 0.93, 0.966 (README,
-    "Horovod's fusion off")."""
+    each way, alternating): fused 0.91, 0.93, 0.94; never fused 0.975, 0.93, 0.966
+    (docs/measurements.md, "Horovod's fusion off")."""
     if env.horovod_fusion_threshold is not None or env.horovod_autotune:
         return None
     return 0
@@ -163,8 +163,8 @@ def horovod_cycle_ms(requested: float, env, on_cpu: bool, wakes: bool = False) -
     0.78, 2.5 ms 0.84, 5 ms 0.89, 10 ms 0.86; hence 5 ms on the CPU without the wake (and
     ``train.horovod_cycle_ms`` for a model whose step is mostly that latency). With it a
     collective starts at once whatever the cycle, which then only spaces the idle rounds:
-    20 ms (README, "Steady-state speed"). On a GPU the CPU has room for the thread:
-    Horovod's default stays. An environment that sets the cycle, or turns on Horovod's
+    20 ms (docs/measurements.md, "Steady-state speed"). On a GPU the CPU has room for the
+    thread: Horovod's default stays. An environment that sets the cycle, or turns on Horovod's
     autotuning (which a set cycle would pin), decides alone."""
     if env.horovod_cycle_time is not None or env.horovod_autotune:
         return None
