@@ -23,6 +23,7 @@ def _require(ok: bool, message: str) -> None:
 
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
+GRADIENT_SUMS = ("auto", "horovod", "gloo")   # who sums the buckets (dataparallel/gloo_sums.py)
 
 
 @dataclass
@@ -52,6 +53,8 @@ class TrainConfig:
     bucket_mb: float = 25.0         # gradients sent together, as Horovod's fusion threshold
                                     # (0: one collective per parameter)
     compression: str = "none"       # none | fp16: gradients on the wire as float16
+    gradient_sums: str = "auto"     # auto | horovod | gloo: the buckets' sums over Horovod or
+                                    # a torch.distributed Gloo group (dataparallel/gloo_sums.py)
     horovod_cycle_ms: float = 0.0   # Horovod's cycle (0: 5 training on the CPU, Horovod's 1
                                     # on a GPU; see runtime/collectives.py horovod_cycle_ms)
 
@@ -75,6 +78,8 @@ class TrainConfig:
         _require(self.stall_after > 0, f"train.stall_after must be > 0, got {self.stall_after}")
         _require(self.bucket_mb >= 0, f"train.bucket_mb must be >= 0, got {self.bucket_mb}")
         _require(self.horovod_cycle_ms >= 0, f"train.horovod_cycle_ms must be >= 0, got {self.horovod_cycle_ms}")
+        _require(self.gradient_sums in GRADIENT_SUMS,
+                 f"train.gradient_sums must be one of {', '.join(GRADIENT_SUMS)}, got {self.gradient_sums!r}")
         _require(self.compression in ("none", "fp16"),
                  f"train.compression must be 'none' or 'fp16' (Horovod 0.28.1 has no bfloat16 "
                  f"allreduce), got {self.compression!r}")

@@ -1,8 +1,9 @@
 """The overlapped, bucketed gradient reduction (elastic/dataparallel/reduce.py) over real
 Horovod ranks equals one process on the combined batch: uneven shares, 2 ranks (mpirun,
-Horovod's MPI operations) and 3 ranks (horovodrun, Gloo), accumulation, a parameter the
-last microstep leaves unused, a rank without samples, a rebuilt reducer; and float16 on
-the wire stays within its stated error."""
+Horovod's MPI operations), 3 ranks (horovodrun, Gloo) and 3 ranks whose buckets a
+torch.distributed Gloo group sums (``train.gradient_sums = "gloo"``), accumulation, a
+parameter the last microstep leaves unused, a rank without samples, a rebuilt reducer; and
+float16 on the wire stays within its stated error."""
 import copy
 import gc
 import weakref
@@ -22,14 +23,23 @@ WORKER = str(ROOT / "tests" / "workers" / "bucket_worker.py")
 EXACT = [case for case, spec in CASES.items() if spec.get("compression", "none") == "none"]
 
 
+WORLDS = ["2", "3", "3-gloo"]
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    """What rank 0 got, per world size: 2 under mpirun, 3 under horovodrun with Gloo."""
+    """What rank 0 got, per world: 2 ranks under mpirun, 3 under horovodrun with Gloo, and 3
+    whose buckets a torch.distributed Gloo group sums (``train.gradient_sums = "gloo"``)."""
     tmp = tmp_path_factory.mktemp("buckets")
     mpirun(2, PYTHON, WORKER, str(tmp / "two.pt"))
-    run([str(BIN / "horovodrun"), "--gloo", "-np", "3", "-H", "localhost:3", PYTHON, WORKER,
-         str(tmp / "three.pt")], timeout=180)
-    return {2: torch.load(tmp / "two.pt"), 3: torch.load(tmp / "three.pt")}
+    horovodrun = [str(BIN / "horovodrun"), "--gloo", "-np", "3", "-H", "localhost:3", PYTHON, WORKER]
+    run([*horovodrun, str(tmp / "three.pt")], timeout=180)
+    run([*horovodrun, str(tmp / "gloo.pt"), "gloo"], timeout=180)
+    got = {"2": torch.load(tmp / "two.pt"), "3": torch.load(tmp / "three.pt"),
+           "3-gloo": torch.load(tmp / "gloo.pt")}
+    assert [(w["size"], w.get("sums", "horovod")) for w in got.values()] == \
+        [(2, "horovod"), (3, "horovod"), (3, "gloo")]
+    return got
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +47,10 @@ def references():
     return {case: reference(case) for case in CASES}
 
 
-@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("case", EXACT)
-def test_bucketed_reduction_equals_one_process(ranks, references, size, case):
-    got = ranks[size]
-    assert got["size"] == size
+def test_bucketed_reduction_equals_one_process(ranks, references, world, case):
+    got = ranks[world]
     for step, (mine, ref) in enumerate(zip(got["cases"][case], references[case], strict=True)):
         assert mine["buckets"] >= 3
         assert mine["count"] == ref["count"], step
@@ -52,17 +61,18 @@ def test_bucketed_reduction_equals_one_process(ranks, references, size, case):
                                        msg=f"{case} step {step} {name}")
 
 
-@pytest.mark.parametrize("size", [2, 3])
-def test_fp16_on_the_wire_error_within_bound(ranks, references, size):
+@pytest.mark.parametrize("world", WORLDS)
+def test_fp16_on_the_wire_error_within_bound(ranks, references, world):
     """Each rank's contribution and each partial sum round to float16 once (relative
     2^-11 each), so the whole gradient's relative L2 error stays below size * 2^-11. The
     error must also be there: the gradients really travelled as float16, in half the bytes."""
+    size = ranks[world]["size"]
     bound = size * 2.0 ** -11
-    for step, (mine, ref, exact) in enumerate(zip(ranks[size]["cases"]["fp16"], references["fp16"],
-                                                  ranks[size]["cases"]["plain"], strict=True)):
+    for step, (mine, ref, exact) in enumerate(zip(ranks[world]["cases"]["fp16"], references["fp16"],
+                                                  ranks[world]["cases"]["plain"], strict=True)):
         error = sum(float((mine["grads"][n] - g).pow(2).sum()) for n, g in ref["grads"].items()) ** 0.5
         norm = sum(float(g.pow(2).sum()) for g in ref["grads"].values()) ** 0.5
-        print(f"size {size} step {step}: relative L2 error {error / norm:.2e} (bound {bound:.2e})")
+        print(f"{world} step {step}: relative L2 error {error / norm:.2e} (bound {bound:.2e})")
         assert 0 < error / norm < bound
         assert mine["count"] == ref["count"] and mine["loss"] == pytest.approx(ref["loss"], rel=1e-6)
         assert mine["nbytes"] < 0.55 * exact["nbytes"]
@@ -145,6 +155,7 @@ def test_closed_reducer_leaves_no_hook_behind():
 @pytest.mark.parametrize("values, message", [
     ({"bucket_mb": -1}, "train.bucket_mb must be >= 0, got -1"),
     ({"compression": "bf16"}, "train.compression must be 'none' or 'fp16'"),
+    ({"gradient_sums": "nccl"}, "train.gradient_sums must be one of auto, horovod, gloo, got 'nccl'"),
 ])
 def test_bad_reduction_settings_are_named(values, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -58,13 +58,17 @@ def kill_while_sending(run_dir, proc, rng) -> dict:
         time.sleep(0.0005)
 
 
-@pytest.fixture(scope="module")
-def inflight(tmp_path_factory):
+@pytest.fixture(scope="module", params=["horovod", "auto"])
+def inflight(request, tmp_path_factory):
+    """The buckets summed by Horovod, or as ``train.gradient_sums = "auto"`` sums this
+    model's 8 buckets: over a torch.distributed Gloo group, whose sockets the survivors must
+    shut too (dataparallel/gloo_sums.py)."""
     tmp = tmp_path_factory.mktemp("inflight")
     run_dir = tmp / "run"
     cmd = [str(BIN / "regatta"), "local", "mlp", "--module", "bench.mlp", "--hosts", "3",
            "--steps", str(STEPS), "--commit-every", str(EVERY), "--run-dir", str(run_dir),
-           "--timeout", "240", "--", "--db", str(tmp / "m.db"), *MODEL]
+           "--timeout", "240", "--", "--db", str(tmp / "m.db"), *MODEL,
+           "--set", f"train.gradient_sums={request.param}"]
     env = {**os.environ, "REGATTA_AUDIT": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
@@ -73,11 +77,13 @@ def inflight(tmp_path_factory):
         proc.wait(timeout=240)
     finally:
         kill_tree(proc.pid)
-    return kill, build_report(run_dir, exit_code=proc.returncode), run_dir
+    return kill, build_report(run_dir, exit_code=proc.returncode), run_dir, request.param
 
 
 def test_survivors_failed_with_buckets_in_flight(inflight):
-    kill, report, _ = inflight
+    kill, report, _, setting = inflight
+    sums = {"horovod": "horovod", "auto": "gloo"}[setting]
+    assert {e["gradient_sums"] for e in kinds(report, "ready")} == {sums}
     print(f"killed {VICTIM} while sending in the step after {kill['after_step']}")
     failed = [e for e in kinds(report, "reduce_failed") if e["host"] != VICTIM]
     # A survivor whose reduction outlived the sever (Horovod's loop waiting on a connection
@@ -91,6 +97,8 @@ def test_survivors_failed_with_buckets_in_flight(inflight):
         assert event["buckets"] >= 7
         assert event["step"] == kill["after_step"]    # rank 0's progress: steps done
         assert event["launched"] >= 1 and event["summed"] < event["buckets"]
+        # the sum that raised was the one configured: torch's Gloo group, or Horovod's
+        assert event["error"].startswith("gradient sums: ") == (sums == "gloo"), event["error"]
     # How many buckets the survivors had summed is printed, not asserted: 16 MiB written by
     # the victim is its share of the first bucket sent, but whether the survivors finish
     # summing it depends on what was still in the sockets when it died (a process killed
@@ -98,7 +106,7 @@ def test_survivors_failed_with_buckets_in_flight(inflight):
 
 
 def test_restored_state_is_the_last_commit(inflight):
-    kill, report, _ = inflight
+    kill, report, _, _ = inflight
     restores = kinds(report, "restore")
     assert {e["host"] for e in restores} == {"127.0.0.2", "127.0.0.3"}
     for restore in restores:
@@ -118,7 +126,7 @@ def test_restored_state_is_the_last_commit(inflight):
 
 
 def test_run_finishes_on_the_survivors_with_one_model(inflight):
-    _, report, run_dir = inflight
+    _, report, run_dir, _ = inflight
     assert report["exit_code"] == 0
     assert (report["final_step"], report["final_world_size"]) == (STEPS, 2)
     finals = [json.loads(p.read_text()) for p in (run_dir / "final").glob("*.json")]

@@ -19,6 +19,8 @@ from elastic.data.loader import Batches, Plan, dataset_size
 from elastic.runtime.checkpoint import parameter_hash
 from elastic.runtime.device import choose_device
 
+from .buckets import plan_buckets
+from .gloo_sums import GlooSums, over_gloo
 from .reduce import BucketReducer
 from .state import TrainState
 from .step import StepKit, train_step
@@ -36,6 +38,8 @@ class DataParallelEngine:
         self.training, self.cfg = training, cfg
         self.runtime, self.device, self.kit = None, None, None
         self._reducer: tuple | None = None    # (the world it was made for, reducer)
+        self._gloo = False                      # the buckets summed over a torch.distributed group
+        self._sums: GlooSums | None = None      # and this world's group
 
     def build(self, runtime) -> TrainState:
         self.runtime = runtime
@@ -50,6 +54,9 @@ class DataParallelEngine:
         if dataset_size(self.training.data) == 0:
             raise ConfigError(f"{self.training.name}: the training data is empty")
         state = TrainState(runtime, objects, self.cfg.checkpoint_path)
+        params = [p for p in model.parameters() if p.requires_grad]
+        self._gloo = over_gloo(self.cfg.gradient_sums, runtime.hvd, self.device.type == "cpu",
+                               len(plan_buckets(params, int(self.cfg.bucket_mb * 2 ** 20))))
         if self.cfg.resume and runtime.world.is_root:
             runtime.resumed(state, state.load_checkpoint())
         return state
@@ -77,18 +84,38 @@ class DataParallelEngine:
 
     def reducer(self, state) -> BucketReducer:
         """One per world: rank and size change at every reset. The old one's gradient
-        hooks go with it."""
+        hooks go with it. With ``train.gradient_sums = "gloo"`` its buckets are summed over
+        a torch.distributed group of this world (gloo_sums.py), opened here."""
         world = self.runtime.world
         if self._reducer is None or self._reducer[0] != world:
-            if self._reducer is not None:
-                self._reducer[1].close()
+            self.leave_world()
+            sums = self.runtime.collectives
+            if world.size > 1 and self._gloo:
+                self._sums = sums = GlooSums(world, self.runtime.collectives)
             params = [p for p in state.model.parameters() if p.requires_grad]
-            reducer = BucketReducer(params, world.rank, world.size, self.runtime.collectives,
+            reducer = BucketReducer(params, world.rank, world.size, sums,
                                     bucket_bytes=int(self.cfg.bucket_mb * 2 ** 20),
                                     compression=self.cfg.compression,
                                     expected_count=self.cfg.global_batch)
             self._reducer = (world, reducer)
         return self._reducer[1]
+
+    def settings(self) -> dict:
+        """What the runtime's ``ready`` event records of this engine's choices."""
+        return {"gradient_sums": "gloo" if self._gloo else "horovod"}
+
+    def leave_world(self) -> None:
+        """Before a reset and at the end: the torch.distributed group of the buckets' sums
+        belongs to this world alone, and so does the reducer made for it."""
+        if self._sums is not None:
+            self._sums.close()
+            self._sums = None
+            if self._reducer is not None:
+                self._reducer[1].close()
+                self._reducer = None
+        elif self._reducer is not None and self._reducer[0] != self.runtime.world:
+            self._reducer[1].close()
+            self._reducer = None
 
     def straggler_groups(self, state):
         return None   # every rank does the same work
@@ -104,6 +131,7 @@ class DataParallelEngine:
     def finish(self, state) -> tuple[dict, dict]:
         if self.kit is not None:
             self.kit.batches.close()
+        self.leave_world()
         world = self.runtime.world
         mine = {"host": world.host, "slot": world.slot, "rank": world.rank,
                 "world_size": world.size, "step": state.step,

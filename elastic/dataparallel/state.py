@@ -104,6 +104,9 @@ class TrainState(RuntimeState):
         self.optimizer.zero_grad(set_to_none=True)
         self._stale = True
 
+    def leave_world(self) -> None:
+        self.runtime.engine.leave_world()   # a torch.distributed group of this world's, if any
+
     def sync_state(self) -> dict:
         world = self.runtime.world
         mine = {"host": world.host, "current": self._current,

@@ -16,20 +16,16 @@ an explicit name), and a transport error is re-raised as ``HorovodInternalError`
 """
 from __future__ import annotations
 
-import socket
 import time
-from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
-
-import torch.distributed as dist
-from horovod.common.exceptions import HorovodInternalError
 
 from elastic.addresses import host_address
 from elastic.data.sampler import Cursor
 from elastic.runtime import checkpoint as saving
 from elastic.runtime.shards import buddies, cover, covering_step, kept_by
 from elastic.runtime.state import RuntimeState
+from elastic.runtime.torch_group import translated as translated_as
 
 from . import checkpoint as ckpt
 from .config import Plan, make_plan
@@ -43,21 +39,9 @@ from .gloo_transport import GlooTransport, free_port
 HANDOFF_FORMAT = "regatta-pipeline-handoff/1"
 
 
-def comm_error(err: RuntimeError) -> bool:
-    text = str(err).lower()
-    return isinstance(err, getattr(dist, "DistError", ())) or any(
-        word in text for word in ("connection", "gloo", "timed out", "broken pipe", "socket", "peer"))
-
-
-@contextmanager
 def translated():
     """torch.distributed's failures as the error ``hvd.elastic.run`` restores from."""
-    try:
-        yield
-    except RuntimeError as err:
-        if isinstance(err, HorovodInternalError) or not comm_error(err):
-            raise
-        raise HorovodInternalError(f"pipeline transport: {err}") from err
+    return translated_as("pipeline transport")
 
 
 class ElasticPipeline(RuntimeState):

@@ -72,6 +72,11 @@ class PipelineEngine:
             runtime.resumed(state, state.load_checkpoint())
         return state
 
+    def settings(self) -> dict:
+        """What the runtime's ``ready`` event records of this engine's choices: the plan
+        has events of its own."""
+        return {}
+
     def enter(self, state) -> None:
         pass   # an elastic sync already rebuilt the run for this world
 

@@ -5,9 +5,10 @@ the contract and the MPI one).
 from __future__ import annotations
 
 import contextlib
-import socket
 
 from .transport import Handle, Transport
+from elastic.runtime.torch_group import forget_group, open_default_group
+from elastic.runtime.torch_group import free_port  # noqa: F401 - where the benches and tests import it
 from elastic.runtime.waiting import POLL_CAP_S
 
 
@@ -26,18 +27,16 @@ class _GlooHandle(Handle):
 class GlooTransport(Transport):
     def __init__(self, rank: int, size: int, init_method: str, stage_groups: list[list[int]],
                  my_group: int, timeout_s: float = 300.0):
-        import datetime
         import torch.distributed as dist
         self._dist = dist
         self.rank, self.size = rank, size
+        open_default_group(init_method, rank, size, timeout_s)
         try:
-            dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
             # Every rank must create every group, in the same order.
             groups = [dist.new_group(ranks) for ranks in stage_groups]
         except BaseException:
             with contextlib.suppress(Exception):   # the first error is the one to report
-                forget_group(dist)
+                forget_group()
             raise
         self.dp_group, self.dp_size = groups[my_group], len(stage_groups[my_group])
 
@@ -61,21 +60,3 @@ class GlooTransport(Transport):
 
     def close(self):
         self._dist.destroy_process_group()
-
-
-def forget_group(dist) -> None:
-    """Leave torch.distributed as a fresh process finds it, whatever state a group that
-    failed to form (a peer died meanwhile) left it in. torch names the default group by
-    how many it has made (its store keys start with that name), and only destroying one
-    resets the count: after a failed attempt this rank's next group would take a name a
-    fresh process (a replacement, an added host) does not, and the two would wait for each
-    other's keys until the timeout. Hence a group of one, made only to be destroyed."""
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    dist.destroy_process_group()
-
-
-def free_port(host: str = "") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

@@ -137,7 +137,8 @@ class Runtime:
     # -- the loop ------------------------------------------------------------------------
     def run(self, state) -> None:
         """Train until ``train.steps``, surviving resets under horovodrun elastic."""
-        self.events.record("ready", state.step, registration_s=self.registration and self.registration.wait())
+        self.events.record("ready", state.step, registration_s=self.registration and self.registration.wait(),
+                           **self.engine.settings())
         if self.env.elastic:
             try:
                 self.hvd.elastic.run(self.loop)(state)

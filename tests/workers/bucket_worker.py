@@ -4,7 +4,7 @@ uneven shares, gradient accumulation, a parameter the last microstep leaves unus
 without samples, and float16 on the wire. Rank 0 saves what it got; the test compares it
 with one process computing the combined batch.
 
-    horovodrun --gloo -np 3 -H localhost:3 python tests/workers/bucket_worker.py OUT.pt
+    horovodrun --gloo -np 3 -H localhost:3 python tests/workers/bucket_worker.py OUT.pt [gloo]
     mpirun -np 2 python tests/workers/bucket_worker.py OUT.pt
 """
 from __future__ import annotations
@@ -106,16 +106,23 @@ def run_case(case: str, hvd, collectives) -> list[dict]:
     return out
 
 
-def main(path: str) -> None:
+def main(path: str, sums: str = "horovod") -> None:
+    """``sums``: what sums the buckets, as ``train.gradient_sums`` says (horovod | gloo)."""
     import horovod.torch as hvd
+    from elastic.dataparallel.gloo_sums import GlooSums
     from elastic.runtime.collectives import HorovodCollectives
+    from elastic.runtime.world import World
     hvd.init()
     torch.set_num_threads(1)
     collectives = HorovodCollectives(hvd)
+    if sums == "gloo":
+        collectives = GlooSums(World.from_horovod(hvd, "localhost"), collectives)
     results = {case: run_case(case, hvd, collectives) for case in CASES}
+    if sums == "gloo":
+        collectives.close()
     if hvd.rank() == 0:
-        torch.save({"size": hvd.size(), "cases": results}, path)
+        torch.save({"size": hvd.size(), "sums": sums, "cases": results}, path)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])
