@@ -1,8 +1,9 @@
-"""Which TCP sockets Horovod's Gloo opened, and shutting them down: how a survivor
+"""Which TCP sockets Gloo opened for this world, and shutting them down: how a survivor
 leaves a collective blocked on a dead peer (recovery.py). A socket counts as Gloo's when it
-was established during the last ``hvd.init`` and is not horovodrun's rendezvous server,
-so the driver's, the metrics sink's, a lifeline's or a torch.distributed group's are
-never touched.
+was established since the last ``hvd.init`` began, and is not horovodrun's rendezvous
+server: Horovod's, and a torch.distributed group's opened for the world before the
+training loop is entered (recovery.py takes stock then). The driver's, the metrics
+sink's and the lifelines' are never touched.
 """
 from __future__ import annotations
 

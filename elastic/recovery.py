@@ -5,9 +5,11 @@ death during the recovery itself starts it over instead of hanging it.
 The lifelines (lifeline.py) say who died. While training, this module then shuts down
 this rank's Gloo peer connections (a shutdown on a dup of each fd), which makes Horovod
 raise ``HorovodInternalError`` in the blocked collective; ``hvd.elastic.run`` restores
-the last commit and resets. Only the connections Horovod's Gloo opened during the last
-``hvd.init`` are touched (see :class:`ConnectionBaseline`), never the driver's, the
-metrics sink's, a lifeline or a torch.distributed group's.
+the last commit and resets. Only connections made since the last ``hvd.init`` began are
+touched (see :class:`ConnectionBaseline`): Horovod's Gloo's, and those of a
+torch.distributed group opened for the world before the loop is entered (the pipeline's
+transport, the data-parallel buckets' sums); never the driver's, the metrics sink's or a
+lifeline.
 
 The lifelines of a generation stay up until the next one is built, so deaths during a
 recovery are seen too. Until ``hvd.init`` returns nothing can be severed (Gloo's
@@ -84,6 +86,7 @@ class FastRecovery:
         self._handed_step: int | None = None    # a replacement's: its predecessor's step
         self._handoff: Handoff | None = None   # out from before_init until the loop is entered
         self._last_size = 1             # the size of the world last entered
+        self._horovod_sockets = 0       # Horovod's Gloo connections in that world
         self._leaving = threading.Lock()   # held by the one thread that restarts this rank
 
     # -- the runtime's calls ----------------------------------------------------------------
@@ -137,6 +140,8 @@ class FastRecovery:
         it stays out until the loop is entered."""
         if self._doomed == "syncing":
             FaultPlan.kill_now(self.events, self._carried_step(), syncing=True)
+        # Horovod's own, before a torch.distributed group of this world adds its own.
+        self._horovod_sockets = len(self.baseline.gloo_connections(exclude_fds=set()))
         if self._handoff is not None:
             self._handoff.written()
 
@@ -316,7 +321,7 @@ class FastRecovery:
         re-forming (as many per peer as in the last world): the survivors have connected
         and are in Horovod's first collectives, which abort the process on a death."""
         size = int(restart.assigned_size())
-        per_peer = len(self.gloo) // max(1, self._last_size - 1)
+        per_peer = self._horovod_sockets // max(1, self._last_size - 1)
         made = len(self.baseline.gloo_connections(exclude_fds=set()))
         return made >= max(1, per_peer * (size - 1) - 1)
 

@@ -103,6 +103,18 @@ def test_horovods_fusion_is_off_unless_the_environment_sets_it_or_tunes_it():
             ("1", "2", " 1 ", "0", "true", "yes", "", "-1")] == [True, True, True] + [False] * 5
 
 
+def test_horovods_gloo_interface_and_timeout_reach_a_torch_group_of_the_world():
+    """horovodrun's --network-interface and --gloo-timeout-seconds, which the buckets'
+    torch.distributed group (dataparallel/gloo_sums.py) takes on as Horovod's Gloo does."""
+    from elastic.runtime.env import Env, EnvError
+    assert [(e.gloo_iface, e.gloo_timeout_s) for e in (
+        Env.read({}), Env.read({"HOROVOD_GLOO_IFACE": "rg0", "HOROVOD_GLOO_TIMEOUT_SECONDS": "3600"}))] == \
+        [("", 30.0), ("rg0", 3600.0)]
+    for bad in ("0", "-5", "soon"):
+        with pytest.raises(EnvError, match="HOROVOD_GLOO_TIMEOUT_SECONDS must be a number of seconds > 0"):
+            Env.read({"HOROVOD_GLOO_TIMEOUT_SECONDS": bad})
+
+
 def test_horovods_cycle_on_the_cpu_is_20_ms_waking_5_not_unless_the_job_or_the_environment_names_one():
     from elastic.runtime.collectives import horovod_cycle_ms
     from elastic.runtime.device import wants_cpu

@@ -91,7 +91,7 @@ class DataParallelEngine:
             self.leave_world()
             sums = self.runtime.collectives
             if world.size > 1 and self._gloo:
-                self._sums = sums = GlooSums(world, self.runtime.collectives)
+                self._sums = sums = GlooSums(world, self.runtime.collectives, self.runtime.env)
             params = [p for p in state.model.parameters() if p.requires_grad]
             reducer = BucketReducer(params, world.rank, world.size, sums,
                                     bucket_bytes=int(self.cfg.bucket_mb * 2 ** 20),
@@ -101,18 +101,19 @@ class DataParallelEngine:
         return self._reducer[1]
 
     def settings(self) -> dict:
-        """What the runtime's ``ready`` event records of this engine's choices."""
+        """What the runtime's ``ready`` event records of this engine's choices (a world of
+        one rank sums nothing, whatever it says)."""
         return {"gradient_sums": "gloo" if self._gloo else "horovod"}
 
     def leave_world(self) -> None:
         """Before a reset and at the end: the torch.distributed group of the buckets' sums
         belongs to this world alone, and so does the reducer made for it."""
         if self._sums is not None:
-            self._sums.close()
-            self._sums = None
-            if self._reducer is not None:
+            if self._reducer is not None:   # its requests settle first: they are the group's
                 self._reducer[1].close()
                 self._reducer = None
+            self._sums.close()
+            self._sums = None
         elif self._reducer is not None and self._reducer[0] != self.runtime.world:
             self._reducer[1].close()
             self._reducer = None

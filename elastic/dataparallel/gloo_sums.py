@@ -6,8 +6,9 @@ Why: Horovod runs one collective at a time from its background loop, and torch's
 group two, on its worker threads. Where a model's gradients take longer to sum than
 backward takes to compute, the buckets queue behind each other in Horovod: the same four
 25 MB sums took 1.22x as long over Horovod's Gloo as over torch's (bench_allreduce), and
-the 26M-parameter MLP of bench_throughput ran at 0.97-0.99 of DDP's speed over Horovod
-against 1.02-1.03 over this group (docs/measurements.md).
+the 26M-parameter MLP of bench_throughput ran faster over this group than over Horovod in
+six alternating pairs of runs (Regatta / DDP 0.98-1.03 against 0.94-0.99,
+docs/measurements.md).
 
 The group is opened for each world when the engine enters it, before the runtime's
 recovery takes stock of the world's connections, so a peer's death shuts this group's
@@ -25,9 +26,6 @@ import torch.distributed as dist
 from elastic.addresses import host_address
 from elastic.runtime.torch_group import forget_group, free_port, open_default_group, translated
 
-TIMEOUT_S = 300.0   # a stalled peer is the stall detector's to report, not a timeout's
-
-
 def over_gloo(setting: str, hvd, on_cpu: bool, buckets: int) -> bool:
     """Whether ``train.gradient_sums`` (``setting``) sums the ``buckets`` over this
     module's group. ``auto``: where Horovod would sum CPU tensors over Gloo (horovodrun,
@@ -42,13 +40,14 @@ def over_gloo(setting: str, hvd, on_cpu: bool, buckets: int) -> bool:
 
 
 class GlooSums:
-    def __init__(self, world, collectives, timeout_s: float = TIMEOUT_S):
+    def __init__(self, world, collectives, env):
         """Every rank of ``world`` opens it together; rank 0 picks the address and sends it
-        over ``collectives`` (Horovod's)."""
+        over ``collectives`` (Horovod's). Horovod's Gloo interface and timeout apply (``env``:
+        horovodrun's ``--network-interface`` and ``--gloo-timeout-seconds``)."""
         mine = f"tcp://{host_address(world.host)}:{free_port()}" if world.is_root else None
         init = collectives.broadcast_object(mine, "regatta.dp.gloo_sums")
         with translated("gradient sums"):
-            open_default_group(init, world.rank, world.size, timeout_s)
+            open_default_group(init, world.rank, world.size, env.gloo_timeout_s, env.gloo_iface)
         self.open = True
 
     def allreduce_sum_async(self, tensors: list[torch.Tensor], name: str) -> GlooRequest:

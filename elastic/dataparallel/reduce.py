@@ -10,8 +10,8 @@ The step drives the reducer in two calls: ``before_backward(last)`` before each 
 backward, then ``finish(control)`` once the last backward returned. Gradients are grouped
 into buckets (buckets.py, ``train.bucket_mb``). During the *last* microstep's backward a
 post-accumulate-grad hook marks each finished gradient, and a full bucket starts its sum
-at once (an asynchronous grouped allreduce of its gradients, in place) while backward
-computes the rest; earlier microsteps only accumulate, so accumulation reduces once.
+once every bucket before it in the plan has (an asynchronous allreduce, in place) while
+backward computes the rest; earlier microsteps only accumulate, so accumulation reduces once.
 ``finish`` sends what is left, with the agreement vector riding in the last bucket (the
 one holding the first layers, which backward finishes last), waits, and leaves the mean
 gradients in ``.grad``. The other buckets are divided just before their sum by the count
@@ -55,6 +55,7 @@ class BucketReducer:
         self._hooks, self._armed, self._finishing = [], False, 0.0
         self.buckets: list[Bucket] = []
         self._flying: list[Bucket] = []    # launched this step, not yet seen complete
+        self._next = 0                       # the first bucket of the plan not launched yet
         self._where: dict[int, tuple[Bucket, int]] = {}
         if size == 1:
             return   # nothing to send: finish only divides
@@ -80,7 +81,7 @@ class BucketReducer:
             for bucket in self.buckets:
                 bucket.reset()
                 bucket.scale = scale if bucket.narrow else 1.0
-            self._flying = []
+            self._flying, self._next = [], 0
         self._armed = last
 
     def finish(self, control: Control) -> Reduced:
@@ -153,10 +154,23 @@ class BucketReducer:
                                    f"microstep's backward; its bucket may already be on the wire")
             bucket.put(position)
             self._poll_flying()            # note completions: the overlap measure
-            if bucket.complete() and bucket is not self._carrier:
-                bucket.launch(self.collectives, self._last_count)
-                self._flying.append(bucket)
+            if bucket.complete():
+                self._launch_in_order()
         return on_gradient
+
+    def _launch_in_order(self) -> None:
+        """Send the complete buckets that come next in plan order, as DDP does. Every rank
+        then sends them in one order, whatever order its backward completes them in (an
+        unused parameter, a rank without samples): a torch.distributed group pairs the
+        ranks' sums by their order (Horovod pairs them by name). The carrier, last in
+        plan order, waits for ``finish``."""
+        while self._next < len(self.buckets):
+            bucket = self.buckets[self._next]
+            if bucket is self._carrier or not bucket.complete():
+                return
+            bucket.launch(self.collectives, self._last_count)
+            self._flying.append(bucket)
+            self._next += 1
 
     def _poll_flying(self) -> None:
         for bucket in self._flying:

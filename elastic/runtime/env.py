@@ -60,6 +60,8 @@ class Env:
     horovod_wake: bool | None = None   # HOROVOD_WAKE_ON_ENQUEUE=0|1 (None: on where Horovod can)
     horovod_controller: str = ""    # HOROVOD_CONTROLLER (horovodrun's Gloo sets "gloo"; "": MPI)
     horovod_fusion_threshold: int | None = None   # HOROVOD_FUSION_THRESHOLD (bytes), when set
+    gloo_iface: str = ""            # HOROVOD_GLOO_IFACE: horovodrun's --network-interface
+    gloo_timeout_s: float = 30.0    # HOROVOD_GLOO_TIMEOUT_SECONDS: horovodrun's, Horovod's 30 s
     keep_freed_memory: bool = True  # REGATTA_KEEP_FREED_MEMORY=0, or glibc's MALLOC_* set: not
 
     @classmethod
@@ -85,6 +87,8 @@ class Env:
                    horovod_wake=_flag(env, "HOROVOD_WAKE_ON_ENQUEUE"),
                    horovod_controller=env.get("HOROVOD_CONTROLLER", "").strip().lower(),
                    horovod_fusion_threshold=_bytes(env, "HOROVOD_FUSION_THRESHOLD"),
+                   gloo_iface=env.get("HOROVOD_GLOO_IFACE", "").strip(),
+                   gloo_timeout_s=_seconds(env, "HOROVOD_GLOO_TIMEOUT_SECONDS", 30.0),
                    keep_freed_memory=_flag(env, "REGATTA_KEEP_FREED_MEMORY") is not False
                    and not user_tuned(env))
 
@@ -124,6 +128,19 @@ def _milliseconds(env, name: str) -> float | None:
         value = -1.0
     if not value >= 0:
         raise EnvError(f"{name} must be a number of milliseconds >= 0, got {text!r}")
+    return value
+
+
+def _seconds(env, name: str, default: float) -> float:
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise EnvError(f"{name} must be a number of seconds > 0, got {text!r}")
     return value
 
 

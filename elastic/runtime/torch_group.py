@@ -12,15 +12,22 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import socket
 from contextlib import contextmanager
 
 import torch.distributed as dist
 
 
-def open_default_group(init_method: str, rank: int, size: int, timeout_s: float) -> None:
-    """torch.distributed's default Gloo group over ``size`` ranks meeting at ``init_method``;
-    after a failed attempt torch is left as a fresh process finds it (:func:`forget_group`)."""
+def open_default_group(init_method: str, rank: int, size: int, timeout_s: float,
+                       interface: str = "") -> None:
+    """torch.distributed's default Gloo group over ``size`` ranks meeting at ``init_method``,
+    its connections on ``interface`` (horovodrun's ``--network-interface``) unless
+    ``GLOO_SOCKET_IFNAME`` names one: torch's Gloo would otherwise take the address the
+    machine's host name resolves to, a loopback one on many Linux installs. After a failed
+    attempt torch is left as a fresh process finds it (:func:`forget_group`)."""
+    if interface:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
     try:
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
                                 timeout=datetime.timedelta(seconds=timeout_s))

@@ -28,6 +28,10 @@ CASES = {
     "accumulate": dict(steps=[[(range(0, 20), True), (range(20, 47), True), (range(47, 60), False)],
                               [(range(60, 71), False), (range(71, 100), True)]]),
     "empty_rank": dict(steps=[[(range(100, 102), True)]]),
+    # the head unused, and a rank without samples: the ranks with samples complete the
+    # other buckets before the head's, the empty rank none; every rank must still send
+    # them in one order (a torch.distributed group pairs sums by their order)
+    "empty_rank_unused_head": dict(steps=[[(range(100, 102), False)], [(range(102, 135), True)]]),
     "fp16": dict(steps=TWO_STEPS, compression="fp16"),
 }
 BUCKET_BYTES = 4_000    # three buckets for this small model
@@ -67,8 +71,9 @@ def reference(case: str) -> list[dict]:
         total = sum(loss_sum(net, x, y, torch.tensor(list(idx)), extra) for idx, extra in micro)
         count = sum(len(idx) for idx, _ in micro)
         (total / count).backward()
-        out.append({"loss": total.item() / count, "count": count,
-                    "grads": {n: p.grad.clone() for n, p in net.named_parameters()}})
+        out.append({"loss": total.item() / count, "count": count,   # unused: zero, as fill_rest
+                    "grads": {n: torch.zeros_like(p) if p.grad is None else p.grad.clone()
+                              for n, p in net.named_parameters()}})
     return out
 
 
@@ -111,12 +116,13 @@ def main(path: str, sums: str = "horovod") -> None:
     import horovod.torch as hvd
     from elastic.dataparallel.gloo_sums import GlooSums
     from elastic.runtime.collectives import HorovodCollectives
+    from elastic.runtime.env import Env
     from elastic.runtime.world import World
     hvd.init()
     torch.set_num_threads(1)
     collectives = HorovodCollectives(hvd)
     if sums == "gloo":
-        collectives = GlooSums(World.from_horovod(hvd, "localhost"), collectives)
+        collectives = GlooSums(World.from_horovod(hvd, "localhost"), collectives, Env.read())
     results = {case: run_case(case, hvd, collectives) for case in CASES}
     if sums == "gloo":
         collectives.close()
