@@ -119,28 +119,25 @@ def _threads(env) -> int:
 
 
 def _milliseconds(env, name: str) -> float | None:
+    return _number(env, name, "milliseconds >= 0", lambda value: value >= 0)
+
+
+def _seconds(env, name: str, default: float) -> float:
+    value = _number(env, name, "seconds > 0", lambda value: value > 0)
+    return default if value is None else value
+
+
+def _number(env, name: str, what: str, valid) -> float | None:
+    """``name``'s value, None when unset; an ``EnvError`` naming ``what`` unless ``valid``."""
     text = env.get(name, "").strip()
     if not text:
         return None
     try:
         value = float(text)
     except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise EnvError(f"{name} must be a number of milliseconds >= 0, got {text!r}")
-    return value
-
-
-def _seconds(env, name: str, default: float) -> float:
-    text = env.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise EnvError(f"{name} must be a number of seconds > 0, got {text!r}")
+        value = float("nan")
+    if not valid(value):
+        raise EnvError(f"{name} must be a number of {what}, got {text!r}")
     return value
 
 
