@@ -54,9 +54,8 @@ class DataParallelEngine:
         if dataset_size(self.training.data) == 0:
             raise ConfigError(f"{self.training.name}: the training data is empty")
         state = TrainState(runtime, objects, self.cfg.checkpoint_path)
-        params = [p for p in model.parameters() if p.requires_grad]
         self._gloo = over_gloo(self.cfg.gradient_sums, runtime.hvd, self.device.type == "cpu",
-                               len(plan_buckets(params, int(self.cfg.bucket_mb * 2 ** 20))))
+                               len(plan_buckets(trained(model), self.bucket_bytes)))
         if self.cfg.resume and runtime.world.is_root:
             runtime.resumed(state, state.load_checkpoint())
         return state
@@ -84,21 +83,24 @@ class DataParallelEngine:
 
     def reducer(self, state) -> BucketReducer:
         """One per world: rank and size change at every reset. The old one's gradient
-        hooks go with it. With ``train.gradient_sums = "gloo"`` its buckets are summed over
-        a torch.distributed group of this world (gloo_sums.py), opened here."""
+        hooks go with it. Where its buckets are summed over a torch.distributed group of
+        this world (``train.gradient_sums``, gloo_sums.py), the group is opened here."""
         world = self.runtime.world
         if self._reducer is None or self._reducer[0] != world:
             self.leave_world()
             sums = self.runtime.collectives
             if world.size > 1 and self._gloo:
                 self._sums = sums = GlooSums(world, self.runtime.collectives, self.runtime.env)
-            params = [p for p in state.model.parameters() if p.requires_grad]
-            reducer = BucketReducer(params, world.rank, world.size, sums,
-                                    bucket_bytes=int(self.cfg.bucket_mb * 2 ** 20),
+            reducer = BucketReducer(trained(state.model), world.rank, world.size, sums,
+                                    bucket_bytes=self.bucket_bytes,
                                     compression=self.cfg.compression,
                                     expected_count=self.cfg.global_batch)
             self._reducer = (world, reducer)
         return self._reducer[1]
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.cfg.bucket_mb * 2 ** 20)
 
     def settings(self) -> dict:
         """What the runtime's ``ready`` event records of this engine's choices (a world of
@@ -140,3 +142,8 @@ class DataParallelEngine:
         if not world.is_root:
             return mine, mine
         return mine, {**mine, "metrics": self.evaluate(state)}
+
+
+def trained(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters backward gives gradients to, in the model's order."""
+    return [p for p in model.parameters() if p.requires_grad]
