@@ -29,7 +29,9 @@ from monitor.store import Store
 
 HOSTS = [host_name(i) for i in range(4)]
 KILLED, SLOWED = HOSTS[1], HOSTS[3]          # --kill 2@.. and --slow 4:..
-KILL_STEP, STEPS = 27, 50
+# Late enough that the killed host's first samples reached the store (sampled 0.2 s after
+# its start, sent within the sink's 1 s): here 50 steps took under 2 s.
+KILL_STEP, STEPS, COMMIT_EVERY = 57, 80, 5
 SMALL = ["--global-batch", "24", "--microbatches", "2", "--set", "model.dim=32",
          "--set", "model.layers=2", "--set", "model.context=16"]   # as test_pipeline_elastic
 
@@ -43,8 +45,9 @@ def store_path(tmp_path_factory):
 def pipeline_run(tmp_path_factory, store_path):
     """The pipeline run's id and the launcher's report."""
     tmp = tmp_path_factory.mktemp("pipe")
-    report = regatta_local(tmp, "charlm", "--hosts", "4", "--steps", str(STEPS), "--commit-every", "5",
-                           "--kill", f"2@{KILL_STEP}", "--slow", "4:1.5", timeout=360,
+    report = regatta_local(tmp, "charlm", "--hosts", "4", "--steps", str(STEPS),
+                           "--commit-every", str(COMMIT_EVERY), "--kill", f"2@{KILL_STEP}",
+                           "--slow", "4:1.5", timeout=360,
                            job_args=["--pp", "2", "--boundaries", "0,2", *SMALL, "--db", store_path])
     assert report["exit_code"] == 0 and report["final_step"] == STEPS
     return _run_of(store_path, "charlm"), report
@@ -94,7 +97,8 @@ def test_pipeline_run_in_the_store_and_the_api(server, pipeline_run):
     assert all(s["busy"][0] > 0 and 0 <= s["bubble"][0] < 1 for s in stages)
     # The re-plan: from the configured 2 x 2 to a plan for the 3 survivors.
     replans = api(server, base + "/events", kinds="replan")["events"]
-    assert len(replans) == 3 and {e["step"] for e in replans} == {25}
+    # (at the last commit before the kill, which the survivors restored)
+    assert len(replans) == 3 and {e["step"] for e in replans} == {KILL_STEP // COMMIT_EVERY * COMMIT_EVERY}
     (plans,) = {json.dumps([e["detail"]["old"], e["detail"]["new"]]) for e in replans}
     old, new = json.loads(plans)
     assert old == {"pp": 2, "dp": 2, "stages": [[0, 2], [2, 4]]}

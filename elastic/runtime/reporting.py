@@ -57,9 +57,13 @@ def store_row(record: dict, stored_optional: tuple = OPTIONAL_COLUMNS) -> dict:
     return row
 
 
+FIRST_SAMPLE_S = 0.2   # soon after start: a worker killed in its first second still shows
+
+
 class HostSampler:
     """About once a second, off the training thread: the host's CPU %, this worker's
-    memory (its slot says which worker of the host), the GPU's when there is one."""
+    memory (its slot says which worker of the host), the GPU's when there is one. The
+    first comes FIRST_SAMPLE_S after start (CPU % needs an interval to measure over)."""
 
     def __init__(self, sink, run_id: str, host: str, slot: int, interval: float = 1.0):
         self.sink, self.run_id, self.host, self.slot = sink, run_id, host, slot
@@ -71,12 +75,14 @@ class HostSampler:
     def _loop(self) -> None:
         process = psutil.Process()
         psutil.cpu_percent(None)
-        while not self._stop.wait(self.interval):
+        wait = min(self.interval, FIRST_SAMPLE_S)
+        while not self._stop.wait(wait):
             row = {"type": "host", "run_id": self.run_id, "host": self.host, "slot": self.slot,
                    "wall_time": time.time(), "cpu_percent": psutil.cpu_percent(None),
                    "rss_bytes": process.memory_info().rss}
             row.update(gpu_sample())
             self.sink.emit(row)
+            wait = self.interval
 
     def stop(self) -> None:
         self._stop.set()
