@@ -1,7 +1,9 @@
 """The pipeline's Gloo group forms between a rank that saw one fail to form and a fresh
-process (a replacement or an added host), in real processes on loopback:
+process (a replacement or an added host), in real processes on loopback; and it connects
+over horovodrun's ``--network-interface``:
 
     python tests/test_gloo_transport.py ROLE FAILED_PORT PORT
+    python tests/test_gloo_transport.py interface NAME PORT
 """
 from __future__ import annotations
 
@@ -52,9 +54,46 @@ def test_a_rank_whose_group_failed_to_form_meets_a_fresh_process(tmp_path):
     assert took < 20, outs
 
 
+def on_interface(name: str, port: int) -> None:
+    """One rank's pipeline transport as the engine makes it under horovodrun, whose
+    ``--network-interface`` arrives as HOROVOD_GLOO_IFACE."""
+    from elastic.pipeline.engine import make_transport
+    from elastic.runtime.env import Env
+    from elastic.runtime.world import World
+    env = Env.read({"HOROVOD_RANK": "0", "HOROVOD_GLOO_IFACE": name,
+                    "REGATTA_PIPE_INIT": f"tcp://127.0.0.1:{port}"})
+    try:
+        make_transport("auto", World.single(), [[0]], 0, None, env).close()
+        print("formed", flush=True)
+    except RuntimeError as err:
+        print("failed:", err, flush=True)
+
+
+def test_the_pipelines_group_connects_over_horovods_network_interface():
+    """Gloo would take the address the host name resolves to: on a machine with several
+    networks, not the one horovodrun was told to use. An interface that does not exist
+    shows the name reached Gloo; ``lo`` forms."""
+    import os
+    from conftest import PYTHON
+    from elastic.pipeline.gloo_transport import free_port
+    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
+    outs = {}
+    for name in ("rg-none0", "lo"):
+        done = subprocess.run([PYTHON, str(Path(__file__)), "interface", name,
+                               str(free_port("127.0.0.1"))], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        outs[name] = done.stdout
+    assert "failed:" in outs["rg-none0"] and "Unable to find address for: rg-none0" in outs["rg-none0"]
+    assert outs["lo"].strip() == "formed", outs["lo"]
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     from elastic.pipeline.gloo_transport import GlooTransport
+    if sys.argv[1] == "interface":
+        on_interface(sys.argv[2], int(sys.argv[3]))
+        sys.exit()
     role, failed_port, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     if role == "survivor":
         survivor(failed_port, port)

@@ -207,7 +207,7 @@ class ElasticPipeline(RuntimeState):
         init = self.hvd.broadcast_object(mine, root_rank=0, name="regatta.pipe.init_method")
         groups = [[r * plan.pp + s for r in range(plan.dp)] for s in range(plan.pp)]
         transport = GlooTransport(world.rank, world.size, init, groups, world.rank % plan.pp,
-                                  timeout_s=120)
+                                  timeout_s=120, interface=self.runtime.env.gloo_iface)
         run = build_run(self.engine.job, self.engine.train, plan, world, transport,
                         self.engine.device)
         self.run, self.buddy = run, buddies(hosts)

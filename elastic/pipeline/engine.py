@@ -145,4 +145,5 @@ def make_transport(kind: str, world, stage_groups: list[list[int]], my_group: in
     if not init:
         mine = f"tcp://{host_address(world.host)}:{free_port()}" if world.is_root else None
         init = collectives.broadcast_object(mine, "regatta.pipe.init_method")
-    return GlooTransport(world.rank, world.size, init, stage_groups, my_group)
+    return GlooTransport(world.rank, world.size, init, stage_groups, my_group,
+                         interface=env.gloo_iface)

@@ -26,11 +26,13 @@ class _GlooHandle(Handle):
 
 class GlooTransport(Transport):
     def __init__(self, rank: int, size: int, init_method: str, stage_groups: list[list[int]],
-                 my_group: int, timeout_s: float = 300.0):
+                 my_group: int, timeout_s: float = 300.0, interface: str = ""):
+        """``interface``: horovodrun's ``--network-interface`` (``Env.gloo_iface``), which
+        the group's connections use unless ``GLOO_SOCKET_IFNAME`` names one."""
         import torch.distributed as dist
         self._dist = dist
         self.rank, self.size = rank, size
-        open_default_group(init_method, rank, size, timeout_s)
+        open_default_group(init_method, rank, size, timeout_s, interface)
         try:
             # Every rank must create every group, in the same order.
             groups = [dist.new_group(ranks) for ranks in stage_groups]
