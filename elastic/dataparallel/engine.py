@@ -109,16 +109,14 @@ class DataParallelEngine:
 
     def leave_world(self) -> None:
         """Before a reset and at the end: the torch.distributed group of the buckets' sums
-        belongs to this world alone, and so does the reducer made for it."""
+        belongs to this world alone, and so does the reducer made for it. A reducer over
+        Horovod outlives a reset that gives back the same world."""
+        if self._reducer is not None and (self._sums is not None or self._reducer[0] != self.runtime.world):
+            self._reducer[1].close()   # its requests settle before their group closes
+            self._reducer = None
         if self._sums is not None:
-            if self._reducer is not None:   # its requests settle first: they are the group's
-                self._reducer[1].close()
-                self._reducer = None
             self._sums.close()
             self._sums = None
-        elif self._reducer is not None and self._reducer[0] != self.runtime.world:
-            self._reducer[1].close()
-            self._reducer = None
 
     def straggler_groups(self, state):
         return None   # every rank does the same work
