@@ -3,6 +3,7 @@ Regatta and for a stock Horovod elastic loop alike, on simulated hosts in namesp
 
     .venv/bin/python bench/bench_chaos.py [--minutes 3] [--every 20] [--hosts 4] [--seed 0]
         [--kinds kill,kill_rank0,double,during_recovery,vanish] [--engines regatta,stock] [--keep DIR]
+        [--set train.gradient_sums=gloo ...]
 
 Faults, one every EVERY seconds on average, of these kinds in turn (random order): a
 SIGKILL of a training process (any rank), of rank 0's, two kills 50-300 ms apart, a kill
@@ -47,11 +48,15 @@ ADD_BACK_S = 4.0
 CALM_STEPS = 2400   # about a minute fault-free; 600 steps (12 s) put one run's goodput at 1.05
 
 
-def launch(engine: str, args: list[str], run_dir: Path, timeout: float) -> dict:
+def launch(engine: str, args: list[str], run_dir: Path, timeout: float,
+           settings: list[str] = ()) -> dict:
+    """``settings``: Regatta's config overrides (``SECTION.KEY=VALUE``), for its worker."""
     report = run_dir.with_suffix(".json")
     command = REGATTA + ENGINES[engine] + args + [
         "--commit-every", "10", "--run-dir", str(run_dir), "--report", str(report),
         "--db", str(run_dir.with_suffix(".db")), "--timeout", str(timeout)]   # not the user's store
+    if engine == "regatta" and settings:
+        command += ["--", *(f"--set={pair}" for pair in settings)]
     subprocess.run(command, cwd=ROOT, capture_output=True, timeout=timeout + 120)
     return json.loads(report.read_text())
 
@@ -262,6 +267,8 @@ def main() -> None:
     parser.add_argument("--kinds", default=",".join(KINDS),
                         help="the fault kinds to strike, in turn (default: all; "
                              "kill,kill_rank0 for one kill every EVERY seconds)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="a config override for Regatta's runs (e.g. train.gradient_sums=gloo)")
     args = parser.parse_args()
     kinds = tuple(args.kinds.split(","))
     if not kinds or not set(kinds) <= set(KINDS):
@@ -272,7 +279,7 @@ def main() -> None:
         work = Path(args.keep or tmp)
         def calm(engine: str, when: str) -> float:
             report = launch(engine, ["--hosts", str(args.hosts), "--steps", str(CALM_STEPS)],
-                            work / f"calm-{when}-{engine}", 900)
+                            work / f"calm-{when}-{engine}", 900, args.set)
             rate = (lambda s, t: s / t)(*pace(report))
             print(f"{engine}: fault-free {rate:.1f} steps/s ({when})", flush=True)
             return rate
@@ -282,7 +289,7 @@ def main() -> None:
             options, struck, steps = plan(args.minutes, args.every, before[engine], args.hosts,
                                           random.Random(args.seed), kinds)
             report = launch(engine, options + ["--seed", str(args.seed)], work / f"chaos-{engine}",
-                            args.minutes * 60 * 6 + 300)
+                            args.minutes * 60 * 6 + 300, args.set)
             results[engine] = (report, struck, steps, work / f"chaos-{engine}")
         # the machine's pace drifts by 10-20 % over minutes: fault-free on both sides
         rates = {e: (before[e] + calm(e, "after")) / 2 for e in engines}
