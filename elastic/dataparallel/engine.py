@@ -111,9 +111,11 @@ class DataParallelEngine:
         """Before a reset and at the end: the torch.distributed group of the buckets' sums
         belongs to this world alone, and so does the reducer made for it. A reducer over
         Horovod outlives a reset that gives back the same world."""
-        if self._reducer is not None and (self._sums is not None or self._reducer[0] != self.runtime.world):
-            self._reducer[1].close()   # its requests settle before their group closes
-            self._reducer = None
+        if self._reducer is not None:
+            world_gone = self._reducer[0] != self.runtime.world
+            if world_gone or self._sums is not None:   # its requests settle before the group closes
+                self._reducer[1].close()
+                self._reducer = None
         if self._sums is not None:
             self._sums.close()
             self._sums = None
