@@ -193,7 +193,8 @@ def worker(opts) -> None:
     from torch import nn
     from mpi4py import MPI
     from elastic.pipeline.grid import Grid, cut
-    from elastic.pipeline.gloo_transport import GlooTransport, free_port
+    from elastic.pipeline.gloo_transport import GlooTransport
+    from elastic.runtime.torch_group import free_port
     from elastic.pipeline.transport import MpiTransport
     from elastic.runtime.memory import keep_freed_memory
     torch.set_num_threads(1)

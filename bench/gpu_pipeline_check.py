@@ -166,7 +166,7 @@ def entry(rank: int, opts, init: str, out: str) -> None:
 def launch(opts, out: Path) -> str | None:
     """Run both ranks; None when they finished, else why not."""
     import torch.multiprocessing as mp
-    from elastic.pipeline.gloo_transport import free_port
+    from elastic.runtime.torch_group import free_port
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")   # no network on the GPU machine
     init = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
     context = mp.spawn(entry, args=(opts, init, str(out)), nprocs=2, join=False)

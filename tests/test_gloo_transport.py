@@ -34,7 +34,7 @@ def meet(rank: int, port: int) -> None:
 
 def test_a_rank_whose_group_failed_to_form_meets_a_fresh_process(tmp_path):
     from conftest import PYTHON, kill_tree
-    from elastic.pipeline.gloo_transport import free_port
+    from elastic.runtime.torch_group import free_port
     failed, port = free_port("127.0.0.1"), free_port("127.0.0.1")
     script = str(Path(__file__))
     procs = [subprocess.Popen([PYTHON, script, role, str(failed), str(port)], cwd=ROOT,
@@ -75,7 +75,7 @@ def test_the_pipelines_group_connects_over_horovods_network_interface():
     shows the name reached Gloo; ``lo`` forms."""
     import os
     from conftest import PYTHON
-    from elastic.pipeline.gloo_transport import free_port
+    from elastic.runtime.torch_group import free_port
     env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
     outs = {}
     for name in ("rg-none0", "lo"):

@@ -87,7 +87,8 @@ def run_cases(world, kind: str, transport, pp: int, dp: int, cases, out: Path) -
 
 def worker(out: Path) -> None:
     from mpi4py import MPI
-    from elastic.pipeline.gloo_transport import GlooTransport, free_port
+    from elastic.pipeline.gloo_transport import GlooTransport
+    from elastic.runtime.torch_group import free_port
     from elastic.pipeline.transport import MpiTransport
     from elastic.runtime.waiting import poll
     from elastic.runtime.world import World

@@ -23,8 +23,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from elastic.addresses import host_address
-from elastic.runtime.torch_group import forget_group, free_port, open_default_group, translated
+from elastic.runtime.torch_group import forget_group, meeting_point, open_default_group, translated
 
 def over_gloo(setting: str, hvd, on_cpu: bool, buckets: int) -> bool:
     """Whether ``train.gradient_sums`` (``setting``) sums the ``buckets`` over this
@@ -44,8 +43,7 @@ class GlooSums:
         """Every rank of ``world`` opens it together; rank 0 picks the address and sends it
         over ``collectives`` (Horovod's). Horovod's Gloo interface and timeout apply (``env``:
         horovodrun's ``--network-interface`` and ``--gloo-timeout-seconds``)."""
-        mine = f"tcp://{host_address(world.host)}:{free_port()}" if world.is_root else None
-        init = collectives.broadcast_object(mine, "regatta.dp.gloo_sums")
+        init = meeting_point(world, collectives.broadcast_object, "regatta.dp.gloo_sums")
         with translated("gradient sums"):
             open_default_group(init, world.rank, world.size, env.gloo_timeout_s, env.gloo_iface)
         self.open = True
@@ -58,7 +56,8 @@ class GlooSums:
 
     def close(self) -> None:
         """Destroy the group; a group whose peers died may not close cleanly, and is then
-        forgotten all the same."""
+        forgotten all the same. Only the first call acts: a later one would destroy
+        whatever default group exists by then (another world's)."""
         if self.open:
             self.open = False
             with contextlib.suppress(Exception):

@@ -20,12 +20,11 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from elastic.addresses import host_address
 from elastic.data.sampler import Cursor
 from elastic.runtime import checkpoint as saving
 from elastic.runtime.shards import buddies, cover, covering_step, kept_by
 from elastic.runtime.state import RuntimeState
-from elastic.runtime.torch_group import translated as translated_as
+from elastic.runtime.torch_group import meeting_point, translated as translated_as
 
 from . import checkpoint as ckpt
 from .config import Plan, make_plan
@@ -33,7 +32,7 @@ from .planner import LayerCosts, choose, measure_job, plan_grid
 from .rebalance import export_stage, import_stage
 from .run import build_run, resume
 from .shards import exchange, model_digest, shard_bytes, tensor_digests
-from .gloo_transport import GlooTransport, free_port
+from .gloo_transport import GlooTransport
 
 
 HANDOFF_FORMAT = "regatta-pipeline-handoff/1"
@@ -163,8 +162,12 @@ class ElasticPipeline(RuntimeState):
         if known is None:   # the first start: rank 0 measures, everyone keeps a copy
             e = self.engine
             known = measure_job(e.job, e.train, e.pipe.microbatches) if world.is_root else None
-            known = self.hvd.broadcast_object(known, root_rank=0, name="regatta.pipe.costs")
+            known = self._broadcast(known, "regatta.pipe.costs")
         self.costs = known
+
+    def _broadcast(self, obj, name: str):
+        """Rank 0's ``obj`` on every rank of the world re-forming (Horovod's)."""
+        return self.hvd.broadcast_object(obj, root_rank=0, name=name)
 
     def _plan(self, size: int) -> Plan:
         """The configured grid when it fits ``size`` ranks, else the planner's choice."""
@@ -203,8 +206,7 @@ class ElasticPipeline(RuntimeState):
 
     def _build(self, world, plan: Plan, pieces, position, hosts: list[str], from_disk: bool) -> None:
         self.leave_world()
-        mine = f"tcp://{host_address(world.host)}:{free_port()}" if world.is_root else None
-        init = self.hvd.broadcast_object(mine, root_rank=0, name="regatta.pipe.init_method")
+        init = meeting_point(world, self._broadcast, "regatta.pipe.init_method")
         groups = [[r * plan.pp + s for r in range(plan.dp)] for s in range(plan.pp)]
         transport = GlooTransport(world.rank, world.size, init, groups, world.rank % plan.pp,
                                   timeout_s=120, interface=self.runtime.env.gloo_iface)

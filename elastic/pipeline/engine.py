@@ -16,16 +16,16 @@ from contextlib import nullcontext
 
 import torch
 
-from elastic.addresses import host_address
 from elastic.config import ConfigError
 from elastic.runtime.checkpoint import parameter_hash
 from elastic.runtime.device import choose_device
+from elastic.runtime.torch_group import meeting_point
 
 from . import checkpoint as ckpt
 from .config import PipelineConfig, make_plan
 from .elastic_state import ElasticPipeline, translated
 from .fixed_state import FixedPipeline
-from .gloo_transport import GlooTransport, free_port
+from .gloo_transport import GlooTransport
 from .planner import PlannerConfig
 from .rebalance import Balancer
 from .run import build_run
@@ -143,7 +143,6 @@ def make_transport(kind: str, world, stage_groups: list[list[int]], my_group: in
                             progress_thread=env.mpi_progress)
     init = env.pipe_init
     if not init:
-        mine = f"tcp://{host_address(world.host)}:{free_port()}" if world.is_root else None
-        init = collectives.broadcast_object(mine, "regatta.pipe.init_method")
+        init = meeting_point(world, collectives.broadcast_object, "regatta.pipe.init_method")
     return GlooTransport(world.rank, world.size, init, stage_groups, my_group,
                          interface=env.gloo_iface)

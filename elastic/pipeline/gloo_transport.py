@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+
 from .transport import Handle, Transport
 from elastic.runtime.torch_group import forget_group, open_default_group
-from elastic.runtime.torch_group import free_port  # noqa: F401 - where the benches and tests import it
 from elastic.runtime.waiting import POLL_CAP_S
 
 

@@ -88,7 +88,7 @@ class Env:
                    horovod_controller=env.get("HOROVOD_CONTROLLER", "").strip().lower(),
                    horovod_fusion_threshold=_bytes(env, "HOROVOD_FUSION_THRESHOLD"),
                    gloo_iface=env.get("HOROVOD_GLOO_IFACE", "").strip(),
-                   gloo_timeout_s=_seconds(env, "HOROVOD_GLOO_TIMEOUT_SECONDS", 30.0),
+                   gloo_timeout_s=_seconds(env, "HOROVOD_GLOO_TIMEOUT_SECONDS", cls.gloo_timeout_s),
                    keep_freed_memory=_flag(env, "REGATTA_KEEP_FREED_MEMORY") is not False
                    and not user_tuned(env))
 

@@ -18,6 +18,8 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
+from elastic.addresses import host_address
+
 
 def open_default_group(init_method: str, rank: int, size: int, timeout_s: float,
                        interface: str = "") -> None:
@@ -67,6 +69,13 @@ def translated(what: str):
         if isinstance(err, HorovodInternalError) or not comm_error(err):
             raise
         raise HorovodInternalError(f"{what}: {err}") from err
+
+
+def meeting_point(world, broadcast, name: str) -> str:
+    """Where a world's group meets: an address and free port of rank 0's host, sent to
+    every rank by ``broadcast(obj, name)`` (the runtime's collectives)."""
+    mine = f"tcp://{host_address(world.host)}:{free_port()}" if world.is_root else None
+    return broadcast(mine, name)
 
 
 def free_port(host: str = "") -> int:
