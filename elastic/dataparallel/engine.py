@@ -113,7 +113,7 @@ class DataParallelEngine:
         Horovod outlives a reset that gives back the same world."""
         if self._reducer is not None:
             world_gone = self._reducer[0] != self.runtime.world
-            if world_gone or self._sums is not None:   # its requests settle before the group closes
+            if world_gone or self._sums is not None:   # closed before the group it sums over
                 self._reducer[1].close()
                 self._reducer = None
         if self._sums is not None:
