@@ -63,12 +63,14 @@ def create_app(config: Union[dict, WebConfig, None] = None) -> Flask:
     from webui.api import api  # here, so importing webui stays cheap
     from webui.guard import install
     from webui.pages import pages
+    from webui.run_paths import RunIdConverter
 
     cfg = _as_config(config)
     app = Flask(__name__, static_folder=None)  # the pages blueprint serves /static
     app.json = FiniteJSON(app)
     app.config["REGATTA"] = cfg
     app.config["MAX_CONTENT_LENGTH"] = cfg.max_body_bytes
+    app.url_map.converters["run"] = RunIdConverter   # before the routes that use it
     app.extensions["regatta_store"] = Store(cfg.db)
     install(app)
     app.register_blueprint(api)

@@ -141,7 +141,7 @@ def runs():
         offset=args.integer("offset", 0, lo=0), lost_after=_config().lost_after_s))
 
 
-@api.get("/runs/<run_id>")
+@api.get("/runs/<run:run_id>")
 def run(run_id: str):
     """One run: its summary, processes (host:slot with their rank now), config, failures."""
     Params(request.args, ())
@@ -151,7 +151,7 @@ def run(run_id: str):
     return jsonify(found)
 
 
-@api.patch("/runs/<run_id>")
+@api.patch("/runs/<run:run_id>")
 def edit_run(run_id: str):
     """Set the run's name, tags and/or notes (the ingest token is the write token)."""
     refused = _refuse_unauthorised()
@@ -171,7 +171,7 @@ def edit_run(run_id: str):
     return jsonify(found)
 
 
-@api.delete("/runs/<run_id>")
+@api.delete("/runs/<run:run_id>")
 def delete_run(run_id: str):
     refused = _refuse_unauthorised()
     if refused:
@@ -181,7 +181,7 @@ def delete_run(run_id: str):
     return jsonify(deleted=run_id)
 
 
-@api.get("/runs/<run_id>/series")
+@api.get("/runs/<run:run_id>/series")
 def run_series(run_id: str):
     """One series per rank, process, host or the whole run; poll with since=cursor."""
     args = Params(request.args, ("metric", "by", "from", "to", "since", "max_points"))
@@ -195,7 +195,7 @@ def run_series(run_id: str):
                                             stop=stop, max_points=points))
 
 
-@api.get("/runs/<run_id>/imbalance")
+@api.get("/runs/<run:run_id>/imbalance")
 def run_imbalance(run_id: str):
     """max/median across ranks of step and compute time, per step, with its wall time."""
     args = Params(request.args, ("since", "max_points"))
@@ -203,7 +203,7 @@ def run_imbalance(run_id: str):
     return jsonify(known_run(run_id).imbalance(run_id, since, points))
 
 
-@api.get("/runs/<run_id>/timeline")
+@api.get("/runs/<run:run_id>/timeline")
 def run_timeline(run_id: str):
     """World size over wall time, one point per executed step (thinned)."""
     args = Params(request.args, ("since", "max_points"))
@@ -211,7 +211,7 @@ def run_timeline(run_id: str):
     return jsonify(known_run(run_id).timeline(run_id, since, points))
 
 
-@api.get("/runs/<run_id>/events")
+@api.get("/runs/<run:run_id>/events")
 def run_events(run_id: str):
     """The run's events in time order; ``since`` is the last event id already seen."""
     args = Params(request.args, ("kinds", "since"))
@@ -221,14 +221,14 @@ def run_events(run_id: str):
     return jsonify(events=events, cursor=cursor)
 
 
-@api.get("/runs/<run_id>/recoveries")
+@api.get("/runs/<run:run_id>/recoveries")
 def run_recoveries(run_id: str):
     """Per failure or host change: seconds to detection, reset, sync, first step; redone."""
     Params(request.args, ())
     return jsonify(recoveries=known_run(run_id).recoveries(run_id))
 
 
-@api.get("/runs/<run_id>/pipeline")
+@api.get("/runs/<run:run_id>/pipeline")
 def run_pipeline(run_id: str):
     """Per-stage busy time and bubble when the run has pipeline stages, else null."""
     args = Params(request.args, ("max_points",))
@@ -236,7 +236,7 @@ def run_pipeline(run_id: str):
     return jsonify(pipeline=known_run(run_id).pipeline(run_id, points))
 
 
-@api.get("/runs/<run_id>/hosts")
+@api.get("/runs/<run:run_id>/hosts")
 def run_hosts(run_id: str):
     """Per host over wall time: CPU % (mean of its processes' samples), memory (sum of
     its processes' RSS), GPU when sampled; poll with since=cursor (a wall time)."""
@@ -246,7 +246,7 @@ def run_hosts(run_id: str):
     return jsonify(known_run(run_id).host_samples(run_id, since, points))
 
 
-@api.get("/runs/<run_id>/metrics/custom")
+@api.get("/runs/<run:run_id>/metrics/custom")
 def run_custom_metrics(run_id: str):
     """Without ``name``: the names logged (with counts). With it: its values in logging
     order (step, time, value, rank), ``since`` an id cursor for polling."""

@@ -85,7 +85,7 @@ def _csv_response(run_id: Optional[str]) -> Response:
                      _filename(run_id, kind + "s", "csv"))
 
 
-@api.get("/runs/<run_id>/export.csv")
+@api.get("/runs/<run:run_id>/export.csv")
 def export_run_csv(run_id: str):
     known_run(run_id)
     return _csv_response(run_id)
@@ -96,7 +96,7 @@ def export_all_csv():
     return _csv_response(None)
 
 
-@api.get("/runs/<run_id>/export.json")
+@api.get("/runs/<run:run_id>/export.json")
 def export_run_json(run_id: str):
     Params(request.args, ())
     known_run(run_id)

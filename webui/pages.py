@@ -27,7 +27,7 @@ def runs_page():
     return render_template("runs.html", page="runs")
 
 
-@pages.get("/runs/<run_id>")
+@pages.get("/runs/<run:run_id>")
 def run_page(run_id: str):
     if not get_store().count("run", run_id):
         abort(404, f"no run {run_id[:200]!r} in this store")

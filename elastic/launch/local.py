@@ -28,6 +28,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..runtime.events import EventLog, read_progress
+from ..runtime.runs import run_name
 from ..faults import ENV as FAULTS_ENV, FaultPlan
 from . import agent, loopback, netns
 from .hosts import Host, run_discovery, write_discovery
@@ -96,7 +97,7 @@ def worker_env(plan: LocalPlan, run_id: str, agent_dir: str) -> dict[str, str]:
 
 def new_run_id(plan: LocalPlan) -> str:
     """A fresh id per launch: the job's rows and the launcher's events join under it."""
-    return f"{plan.job}-local-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    return f"{run_name(plan.job)}-local-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
 
 
 def _ingests(plan: LocalPlan) -> bool:

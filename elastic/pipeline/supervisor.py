@@ -26,6 +26,7 @@ from pathlib import Path
 
 from elastic.config import ConfigError
 from elastic.runtime.events import EventLog
+from elastic.runtime.runs import run_name
 from elastic.launch.stopping import Stopping, stop_tree
 from elastic.launch.hosts import Host, parse_hostfile
 from elastic.launch.target import Target
@@ -177,7 +178,7 @@ def supervise(cfg: SupervisorConfig) -> dict:
     report (also written to <run_dir>/supervisor/report.json)."""
     hosts = parse_hostfile(Path(cfg.hostfile).read_text(), cfg.hostfile)
     # One run across every relaunch (the workers read it from the environment mpirun forwards).
-    os.environ.setdefault("REGATTA_RUN_ID", f"{cfg.job}-{secrets.token_hex(5)}")
+    os.environ.setdefault("REGATTA_RUN_ID", f"{run_name(cfg.job)}-{secrets.token_hex(5)}")
     events = EventLog(cfg.run_dir, "supervisor", 0)
     deadline = time.monotonic() + cfg.timeout
     attempts = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import re
 import secrets
 import subprocess
 import sys
@@ -54,6 +55,14 @@ def mark_checkpoint_folder(folder: Path, run_id: str) -> None:
     replace_text(marker, run_id)
 
 
+def run_name(target: str) -> str:
+    """The part of a run id that names what ran: a job or module name as it is, a script
+    path by its stem (``examples/files_cnn.py`` -> ``files_cnn``). Letters, digits, ``_``,
+    ``.`` and ``-`` only, so a run id is one URL path segment as it stands."""
+    name = Path(target).stem if target.endswith(".py") or "/" in target else target
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip(".-") or "run"
+
+
 _trainings = itertools.count()   # runs started by this process (every rank starts the same ones)
 
 
@@ -62,7 +71,7 @@ def new_run_id(job: str, env: Env) -> str:
         return env.run_id
     key = env.launch_key or secrets.token_hex(8)   # a single process needs agree with nobody
     nth = next(_trainings)
-    return f"{job}-{hashlib.sha1(key.encode()).hexdigest()[:10]}" + (f"-{nth}" if nth else "")
+    return f"{run_name(job)}-{hashlib.sha1(key.encode()).hexdigest()[:10]}" + (f"-{nth}" if nth else "")
 
 
 def run_row(run_id: str, job: str, status: str, **fields) -> dict:
@@ -102,4 +111,4 @@ def launcher_name(env: Env) -> str:
     return {"single": "local"}.get(env.launcher, env.launcher)
 
 
-__all__ = ["new_run_id", "run_row", "code_revision", "open_sink", "launcher_name"]
+__all__ = ["new_run_id", "run_name", "run_row", "code_revision", "open_sink", "launcher_name"]

@@ -44,6 +44,13 @@ const R = (() => {
     }
   }
 
+  // A run id as one URL path segment (webui/run_paths.py writes the same): "/" and "~"
+  // escaped, a leading "." too, so an id from an older store still has its own page.
+  function runPath(id) {
+    const segment = id.replace(/[~/]/g, (c) => (c === "~" ? "~7E" : "~2F"));
+    return encodeURIComponent(segment.startsWith(".") ? "~2E" + segment.slice(1) : segment);
+  }
+
   const css = (name) => getComputedStyle(document.documentElement).getPropertyValue(name).trim();
 
   // A Plotly layout in the page's colours (light or dark, from style.css).
@@ -170,6 +177,6 @@ const R = (() => {
     sync();
   }
 
-  return {api, write, css, layout, draw, xs, xTitle, fmt, el, esc, live, controls, showError, state,
+  return {api, write, runPath, css, layout, draw, xs, xTitle, fmt, el, esc, live, controls, showError, state,
           pollMs, plotConfig};
 })();

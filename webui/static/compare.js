@@ -14,7 +14,7 @@
   const runs = new Map();  // id -> {info, color, bufs, events, timeline}
 
   function load(id, i) {
-    const base = "runs/" + encodeURIComponent(id);
+    const base = "runs/" + R.runPath(id);
     const bufs = Object.fromEntries(CHARTS.map(([, , , metric]) =>
       [metric, new C.SeriesBuf(base + "/series", {metric, by: "all"})]));
     bufs.imbalance = new C.SeriesBuf(base + "/imbalance", {},
@@ -117,7 +117,7 @@
       remove.addEventListener("click", () => setRuns(ids.filter((x) => x !== id)));
       const dot = R.el("span", {class: "dot"});
       dot.style.background = runs.get(id).color;
-      const link = R.el("a", {href: "/runs/" + encodeURIComponent(id)}, id);
+      const link = R.el("a", {href: "/runs/" + R.runPath(id)}, id);
       return R.el("span", {class: "chip"}, dot, link, remove);
     });
     document.getElementById("picked").replaceChildren(...(chips.length ? chips

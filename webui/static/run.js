@@ -4,7 +4,7 @@
 
 (() => {
   const runId = document.body.dataset.run;
-  const base = "runs/" + encodeURIComponent(runId);
+  const base = "runs/" + R.runPath(runId);
   const series = (metric, by) => new C.SeriesBuf(base + "/series", {metric, by});
   const imbalanceShape = (b) => ["step_time", "compute_time"].map(
     (key) => ({key, step: b.step, time: b.time, value: b[key]}));

@@ -20,7 +20,7 @@
     });
     const size = r.world_size === null ? "–"
       : `${r.world_size} (${r.world_size_min}–${r.world_size_max})`;
-    const title = R.el("div", {}, R.el("a", {href: "/runs/" + encodeURIComponent(r.id)}, r.name || r.id));
+    const title = R.el("div", {}, R.el("a", {href: "/runs/" + R.runPath(r.id)}, r.name || r.id));
     if (r.name) title.append(R.el("div", {class: "muted small"}, r.id));
     const tags = R.el("span", {class: "tags"}, ...r.tags.map((t) =>
       R.el("a", {class: "tag", href: "/?tag=" + encodeURIComponent(t)}, t)));
