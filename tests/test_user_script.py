@@ -8,10 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
+import browsing
+from browsing import layout, trace, trace_names
 from conftest import PYTHON, ROOT, kinds, regatta_local, run
+from elastic.launch.loopback import host_name
+from monitor.store import Store
 
 WORKER = ROOT / "tests" / "workers" / "files_cnn_worker.py"
-STEPS, KILL_AT, BATCH, FILES = 60, 33, 32, 600
+STEPS, KILL_AT, BATCH, FILES, EVAL_EVERY = 60, 33, 32, 600, 20
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +28,7 @@ def kill_run(tmp_path_factory, files):
     tmp = tmp_path_factory.mktemp("user-script")
     report = regatta_local(tmp, str(WORKER), "--hosts", "3", "--steps", str(STEPS),
                            "--commit-every", "10", "--kill", f"2@{KILL_AT}", timeout=300,
-                           job_args=["--db", str(tmp / "m.db"), "--eval-every", "0",
+                           job_args=["--db", str(tmp / "m.db"), "--eval-every", str(EVAL_EVERY),
                                      "--set", f"data.folder={files}", "--set", f"probe.out={tmp / 'probe'}"])
     return tmp, report
 
@@ -93,3 +97,58 @@ def test_first_steps_gradients_equal_one_process(kill_run, files, tmp_path):
             floor = 1e-4 * grad.abs().max().item()
             torch.testing.assert_close(distributed[name], grad, rtol=1e-4, atol=floor,
                                        msg=lambda m: f"step {step} {name}: {m}")
+
+
+# -- the same run in a browser: its id comes from a script path (issue 42) -----------------
+TOKEN = "user-script-t0ken"
+
+
+@pytest.fixture(scope="module")
+def server(kill_run, tmp_path_factory):
+    tmp, _ = kill_run
+    with browsing.serving(str(tmp / "m.db"), str(tmp_path_factory.mktemp("spool")),
+                          ingest_token=TOKEN) as url:
+        yield url
+
+
+def test_run_page_of_a_script_launched_by_path(page, server, kill_run, tmp_path):
+    """Runs list -> the run's page (step rows, the failure marker, the evaluation chart),
+    its JSON export, an edit and, last, its deletion: all by clicks, for the id a script
+    path gave. (This deletes the run: it is the module's last test.)"""
+    tmp, report = kill_run
+    store = Store(str(tmp / "m.db"))
+    try:
+        (run_id,) = [r["id"] for r in store.runs()]
+        assert run_id.startswith("files_cnn_worker-local-") and "/" not in run_id
+        page.goto(server + "/")
+        page.locator("#runs a", has_text=run_id).click()
+        page.wait_for_url("**/runs/" + run_id)
+        hosts = [host_name(i) for i in range(3)]
+        trace(page, "chart-steptime", f"{hosts[0]}:0")
+        assert {n.split(":")[0] for n in trace_names(page, "chart-steptime") if n != "events"} == set(hosts)
+        labels = [a["text"] for a in layout(page, "chart-steptime")["annotations"]]
+        assert f"✖ {hosts[1]}" in labels                      # --kill 2@..: the second host
+        page.locator('[data-metric="eval/accuracy"]').wait_for()
+        evaluated = page.evaluate("() => Array.from(document.querySelector("
+                                  "'[data-metric=\"eval/accuracy\"]').data[0].x)")
+        assert evaluated == list(range(EVAL_EVERY, STEPS, EVAL_EVERY))
+        browsing.shot(page, "user-script-run")
+
+        with page.expect_download() as download:
+            page.click("#export-json")
+        exported = json.loads(Path(download.value.path()).read_text())
+        assert {r["id"] for r in exported["runs"]} == {run_id}
+        assert {s["run_id"] for s in exported["steps"]} == {run_id} and len(exported["steps"]) > STEPS
+
+        page.evaluate(f"() => sessionStorage.setItem('regatta.token', '{TOKEN}')")
+        page.fill("#manage textarea[name=notes]", "killed on purpose")
+        page.click("#save-run")
+        page.wait_for_function("() => document.getElementById('manage-status').textContent === 'saved'")
+        assert store.run(run_id)["notes"] == "killed on purpose"
+
+        page.once("dialog", lambda dialog: dialog.accept())
+        page.click("#delete-run")
+        page.wait_for_url(server + "/")
+        assert store.runs() == [] and store.run(run_id) is None
+    finally:
+        store.close()
