@@ -2,7 +2,7 @@
 
     build     the model on this rank's device, its optimizer, scheduler, GradScaler and
               tracked objects in one TrainState (rank 0 resumes from disk when asked)
-    enter     on every (re)entry: this world's reducer and data loader, from the cursor
+    enter     on every (re)entry: this world's reducer; the data loader from the cursor
     step      one optimizer step (step.py)
     evaluate  the user's evaluation on rank 0 (train.eval_every, and at the end)
     finish    this rank's parameter hash; on rank 0 the held-out evaluation
@@ -37,6 +37,7 @@ class DataParallelEngine:
     def __init__(self, training, cfg):
         self.training, self.cfg = training, cfg
         self.runtime, self.device, self.kit = None, None, None
+        self.batches: Batches | None = None    # one loader for the rank's life
         self._reducer: tuple | None = None    # (the world it was made for, reducer)
         self._gloo = False                      # the buckets summed over a torch.distributed group
         self._sums: GlooSums | None = None      # and this world's group
@@ -54,6 +55,9 @@ class DataParallelEngine:
         if dataset_size(self.training.data) == 0:
             raise ConfigError(f"{self.training.name}: the training data is empty")
         state = TrainState(runtime, objects, self.cfg.checkpoint_path)
+        self.batches = Batches(self.training.data, workers=self.cfg.loader_workers,
+                               pin_memory=self.device.type == "cuda", loader_options=self.training.loader)
+        self.batches.start()   # its workers start while the state is synced
         self._gloo = over_gloo(self.cfg.gradient_sums, runtime.hvd, self.device.type == "cpu",
                                len(plan_buckets(trained(model), self.bucket_bytes)))
         if self.cfg.resume and runtime.world.is_root:
@@ -63,14 +67,10 @@ class DataParallelEngine:
     def enter(self, state) -> None:
         """A new world (or the first): the reducer and the loader start from the cursor."""
         world, cfg = self.runtime.world, self.cfg
-        if self.kit is not None:
-            self.kit.batches.close()
         plan = Plan(size=dataset_size(self.training.data), global_batch=cfg.global_batch,
                     seed=cfg.seed, rank=world.rank, world=world.size, microsteps=cfg.accumulate)
-        batches = Batches(self.training.data, plan, state.cursor, cfg.steps - state.step,
-                          workers=cfg.loader_workers, pin_memory=self.device.type == "cuda",
-                          loader_options=self.training.loader)
-        self.kit = StepKit(self.training, batches, plan, self.reducer(state), self.device)
+        self.batches.restart(plan, state.cursor, cfg.steps - state.step)
+        self.kit = StepKit(self.training, self.batches, plan, self.reducer(state), self.device)
 
     def step(self, state, pending):
         try:
@@ -132,8 +132,8 @@ class DataParallelEngine:
             return {k: float(v) for k, v in evaluate(state.model).items()}
 
     def finish(self, state) -> tuple[dict, dict]:
-        if self.kit is not None:
-            self.kit.batches.close()
+        if self.batches is not None:
+            self.batches.close()
         self.leave_world()
         world = self.runtime.world
         mine = {"host": world.host, "slot": world.slot, "rank": world.rank,

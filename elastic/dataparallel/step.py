@@ -27,7 +27,7 @@ class StepKit:
     """What the engine prepared for this world: where the data comes from, the reducer,
     the device and the training's pieces."""
     training: object            # elastic.training.Training
-    batches: object             # elastic.data.loader.Batches, rebuilt at every entry
+    batches: object             # elastic.data.loader.Batches, restarted at every entry
     plan: object                # elastic.data.loader.Plan
     reducer: object
     device: torch.device

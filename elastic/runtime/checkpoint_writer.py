@@ -25,7 +25,6 @@ and until it says it is ready (its imports take a second or two), writes go from
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import mmap
 import os
@@ -47,6 +46,7 @@ import torch
 from .checkpoint import save_atomic
 from .direct_file import Pace
 from .flat import TensorSlot, map_tree, slots_of
+from .parent_death import die_with
 
 ALIGN = 64   # every tensor starts on a cache line
 # Below this a write takes milliseconds from a thread; a process (a second Python with
@@ -289,15 +289,6 @@ def write_here(request: dict, memory: mmap.mmap, waited: float, snapshot_s: floa
 
 
 # -- the writer process ------------------------------------------------------------------------
-def _die_with(parent: int) -> None:
-    """SIGKILL when the training process dies: a write finishing after a resumed job wrote
-    a newer checkpoint would replace it with an older one."""
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:     # it died before the line above
-        os._exit(1)
-
-
 def _receive(channel: socket.socket) -> tuple[dict, int] | None:
     """The next request and the memfd sent with it; None when the training process closed
     the connection."""
@@ -319,7 +310,7 @@ def _receive(channel: socket.socket) -> tuple[dict, int] | None:
 
 
 def serve(channel_fd: int, parent: int) -> None:
-    _die_with(parent)
+    die_with(parent)   # a write finishing after a resumed job wrote a newer checkpoint would replace it
     pace = Pace(0.0, 0)
 
     def hurry(*_) -> None:    # the training process waits for this write

@@ -25,6 +25,18 @@ class ProbeConfig:
     grad_steps: int = 2        # dump the reduced gradients of this many first steps (rank 0)
 
 
+class RecordLoaderWorker:
+    """A worker_init_fn of the user's own (Regatta's runs before it): each loader worker
+    start, with the training process it serves."""
+
+    def __init__(self, out: Path):
+        self.path = out / "loader-workers.jsonl"
+
+    def __call__(self, worker_id: int) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "rank_pid": os.getppid(), "worker": worker_id}) + "\n")
+
+
 def main() -> None:
     configs = regatta.config({"data": DataConfig, "probe": ProbeConfig}, defaults={"train": {
         "global_batch": 32, "lr": 0.003, "accumulate": 2, "clip_grad_norm": 1.0,
@@ -47,7 +59,8 @@ def main() -> None:
             torch.save(grads, out / f"grads-step{ctx.step}.pt")
 
     pieces["optimizer"].register_step_pre_hook(dump_gradients)
-    regatta.fit(**{**pieces, "loss": recording_loss}, config=configs, name="files_cnn")
+    regatta.fit(**{**pieces, "loss": recording_loss}, loader={"worker_init_fn": RecordLoaderWorker(out)},
+                config=configs, name="files_cnn")
 
 
 if __name__ == "__main__":
