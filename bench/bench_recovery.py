@@ -1,68 +1,95 @@
-"""Recovery speed, Regatta vs a stock Horovod elastic loop, side by side in one run.
+"""Recovery speed side by side in one run: Regatta vs a stock Horovod elastic loop, and
+a Dataset read by DataLoader workers vs the same job read in-process.
 
-    .venv/bin/python bench/bench_recovery.py [--repeats 2]
+    .venv/bin/python bench/bench_recovery.py [--repeats 5] [--data tensors|loader]
 
-Both run under the same real `horovodrun` on simulated loopback hosts (regatta local),
-the same digits job and commit interval:
-* failure: 3 hosts, the workers of one SIGKILLed at step 100; time from the kill to the
-  first step done at the new size.
-* addition: 2 hosts, a third listed for discovery at step 100; time from the edit of
-  the discovery file to the first step done with the new worker.
-Stock = bench/stock_elastic.py (DistributedOptimizer, TorchState, commit every 10 steps,
-fresh Python per worker, Gloo timeout 30 s). Regatta = jobs.digits with lifelines and
-warm agents. Prints every run, the medians and the ratios.
+Every arm runs under the same real `horovodrun` on simulated hosts (regatta local), the
+arms alternating run by run so that load drifts hit them alike. Recovery is the time from
+the fault to the first step done at the new size (the launcher's report).
+
+* ``--data tensors`` (jobs.digits, tensors in memory), stock vs Regatta:
+  failure, 3 hosts, one host's workers SIGKILLed, either from outside at a random instant
+  after step 100 (``sigkill``, a different instant each repeat) or by themselves at step
+  100 (``kill``); addition, 2 hosts, a third listed for discovery at step 100 (time from
+  the edit of the discovery file). Stock = bench/stock_elastic.py (DistributedOptimizer,
+  TorchState, commit every 10 steps, fresh Python per worker, Gloo timeout 30 s).
+* ``--data loader`` (examples/files_cnn.py: a file-backed Dataset), its two DataLoader
+  workers per rank (the default) vs ``train.loader_workers=0``, the same two failures at
+  step 120.
+
+Prints every run, then p50, p95 and max of each arm and the ratio of the p50s.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.percentiles import percentile  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 REGATTA = str(Path(sys.executable).parent / "regatta")
 
-SCENARIOS = {
-    "failure": ["--hosts", "3", "--steps", "700", "--kill", "2@100"],
-    "addition": ["--hosts", "2", "--steps", "1500", "--add", "@100"],
+# scenario -> (target, launcher arguments); {seed} varies the outside fault's instant
+TENSORS = {
+    "failure/sigkill": ["digits", "--hosts", "3", "--steps", "700", "--sigkill", "2@100"],
+    "failure/kill": ["digits", "--hosts", "3", "--steps", "700", "--kill", "2@100"],
+    "addition": ["digits", "--hosts", "2", "--steps", "1500", "--add", "@100"],
 }
-FLAVOURS = {
-    "stock": ["--module", "bench.stock_elastic", "--stock-recovery", "--cold-workers"],
-    "regatta": [],
+LOADER = {
+    "failure/sigkill": ["examples/files_cnn.py", "--hosts", "3", "--steps", "200", "--sigkill", "2@120"],
+    "failure/kill": ["examples/files_cnn.py", "--hosts", "3", "--steps", "200", "--kill", "2@120"],
+}
+# arm -> (launcher arguments, job arguments)
+ARMS = {
+    "tensors": {"stock": (["--module", "bench.stock_elastic", "--stock-recovery", "--cold-workers"], []),
+                "regatta": ([], [])},
+    "loader": {"2 loader workers": ([], []),
+               "in-process": ([], ["--set", "train.loader_workers=0"])},
 }
 
 
-def measure(scenario: str, flavour: str, workdir: Path) -> float:
-    run_dir, report = workdir / f"{scenario}-{flavour}", workdir / f"{scenario}-{flavour}.json"
-    cmd = [REGATTA, "local", "digits", *SCENARIOS[scenario], "--commit-every", "10",
-           *FLAVOURS[flavour], "--run-dir", str(run_dir), "--report", str(report),
-           "--", "--db", str(workdir / "bench.db")]
+def measure(args: list[str], arm: tuple[list, list], seed: int, workdir: Path, name: str) -> float:
+    run_dir, report = workdir / name, workdir / f"{name}.json"
+    cmd = [REGATTA, "local", *args, "--commit-every", "10", "--seed", str(seed), *arm[0],
+           "--run-dir", str(run_dir), "--report", str(report),
+           "--", "--no-progress", "--db", str(workdir / "bench.db"), *arm[1]]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=600)
     (change,) = json.loads(report.read_text())["changes"]
     return change["first_step_done_s"]
 
 
+def summary(values: list[float]) -> str:
+    return (f"p50 {percentile(values, 0.5):6.3f} s  p95 {percentile(values, 0.95):6.3f} s  "
+            f"max {max(values):6.3f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--data", choices=sorted(ARMS), default="tensors")
     args = parser.parse_args()
-    times = {(s, f): [] for s in SCENARIOS for f in FLAVOURS}
+    scenarios, arms = (TENSORS if args.data == "tensors" else LOADER), ARMS[args.data]
+    times = {(s, a): [] for s in scenarios for a in arms}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
-            for scenario in SCENARIOS:
-                for flavour in FLAVOURS:   # alternate, so load drifts hit both alike
-                    seconds = measure(scenario, flavour, Path(tmp))
-                    times[scenario, flavour].append(seconds)
-                    print(f"run {repeat + 1}: {scenario:8s} {flavour:7s} {seconds:7.2f} s", flush=True)
+            for scenario, launch in scenarios.items():
+                for arm, options in arms.items():
+                    name = f"{scenario.replace('/', '-')}-{arm.replace(' ', '-')}-{repeat}"
+                    seconds = measure(launch, options, repeat, Path(tmp), name)
+                    times[scenario, arm].append(seconds)
+                    print(f"run {repeat + 1}: {scenario:16s} {arm:17s} {seconds:7.3f} s", flush=True)
     print()
-    for scenario in SCENARIOS:
-        stock = statistics.median(times[scenario, "stock"])
-        ours = statistics.median(times[scenario, "regatta"])
-        print(f"{scenario:8s}: stock {stock:6.2f} s   regatta {ours:6.2f} s   "
-              f"speed-up {stock / ours:6.1f}x")
+    base, other = list(arms)
+    for scenario in scenarios:
+        for arm in arms:
+            print(f"{scenario:16s} {arm:17s} {summary(times[scenario, arm])}")
+        ratio = percentile(times[scenario, base], 0.5) / percentile(times[scenario, other], 0.5)
+        print(f"{scenario:16s} p50 {base} / {other}: {ratio:.2f}x\n")
 
 
 if __name__ == "__main__":

@@ -10,11 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from sqlalchemy import select
 
 import browsing
 from browsing import layout, trace, trace_names
 from conftest import PYTHON, ROOT, kinds, regatta_local, run
 from elastic.launch.loopback import host_name
+from monitor.models import StepMetric
 from monitor.store import Store
 
 WORKER = ROOT / "tests" / "workers" / "files_cnn_worker.py"
@@ -199,6 +201,21 @@ def test_run_page_of_a_script_launched_by_path(page, server, kill_run, tmp_path)
         evaluated = page.evaluate("() => Array.from(document.querySelector("
                                   "'[data-metric=\"eval/accuracy\"]').data[0].x)")
         assert evaluated == list(range(EVAL_EVERY, STEPS, EVAL_EVERY))
+        # The loader's re-warm after the reset, apart from compute, in the store and drawn.
+        with store.engine.connect() as conn:
+            rows = conn.execute(select(StepMetric).order_by(StepMetric.wall_time)).all()
+        first = {}
+        for row in rows:
+            if row.world_size == 2:
+                first.setdefault(row.host, row)
+        assert sorted(first) == sorted(h for h in hosts if h != hosts[1])
+        for host, row in first.items():
+            assert 0 < row.data_time and row.data_time + row.compute_time <= row.step_time * 1.0001
+            # the chart's point of a step is the mean of its executions (before the kill, redone)
+            runs = [r.data_time for r in rows if (r.host, r.step) == (host, row.step)]
+            assert len(runs) == 2
+            drawn = trace(page, "chart-datatime", f"{host}:0")
+            assert drawn["y"][drawn["x"].index(row.step)] == pytest.approx(sum(runs) / 2, rel=1e-9)
         browsing.shot(page, "user-script-run")
 
         with page.expect_download() as download:

@@ -10,6 +10,7 @@
     (key) => ({key, step: b.step, time: b.time, value: b[key]}));
   const bufs = {
     throughput: series("samples_per_s", "host"), steptime: series("step_time", "slot"),
+    datatime: series("data_time", "slot"),
     comm: series("comm_fraction", "all"), bw: series("bus_bandwidth", "all"),
     loss: series("loss", "all"), imbalance: new C.SeriesBuf(base + "/imbalance", {}, imbalanceShape),
     hosts: H.buffer(base + "/hosts"),
@@ -166,6 +167,9 @@
     drawTime("chart-steptime", "Step time per " + (d.by === "slot" ? "process" : d.by), "seconds",
              bufs.steptime.series.map((s) => C.line(label(s.key), s, t0, {}, bufs.steptime.bucket)));
     renderHeatmap(t0);
+    // A loader re-warming after a reset shows here, apart from compute.
+    drawTime("chart-datatime", "Waiting for data per " + (d.by === "slot" ? "process" : d.by), "seconds",
+             bufs.datatime.series.map((s) => C.line(label(s.key), s, t0, {}, bufs.datatime.bucket)));
     const [st, ct] = ["step_time", "compute_time"].map((k) => bufs.imbalance.get(k));
     drawTime("chart-imbalance", "Imbalance: max / median across ranks", "ratio",
              st ? [C.line("step time", st, t0), C.line("compute time", ct, t0)] : []);
@@ -316,7 +320,8 @@
   document.getElementById("by").addEventListener("change", async (ev) => {
     d.by = ev.target.value;
     bufs.steptime = series("step_time", d.by);
-    await Promise.all([bufs.steptime.load(), loadBreakdown()]).catch(R.showError);
+    bufs.datatime = series("data_time", d.by);
+    await Promise.all([bufs.steptime.load(), bufs.datatime.load(), loadBreakdown()]).catch(R.showError);
     if (d.run) render();    // else the first load, still under way, draws with the new series
   });
   R.controls(() => d.run && render());
