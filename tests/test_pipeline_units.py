@@ -1,6 +1,9 @@
 """Pipeline pieces without processes: plan checks, cutting, schedules, checkpoints."""
 from __future__ import annotations
 
+import struct
+import zipfile
+
 import pytest
 import torch
 from torch import nn
@@ -136,3 +139,60 @@ def test_checkpoint_reloads_under_another_partition(tmp_path):
     for name, tensor in part.state_dict().items():
         assert torch.equal(tensor, model.state_dict()[name])
     assert set(opt.state) == set(part.parameters())
+
+
+def _checkpointed(folder, step, model, stages):
+    for a, b in stages:
+        part = cut(model, a, b)
+        ckpt.save_stage(folder, step, (a, b), part, torch.optim.Adam(part.parameters()))
+    ckpt.publish(folder, step, stages, {"epoch": 0, "consumed": step})
+
+
+def test_a_corrupt_checkpoint_file_is_named_and_the_previous_one_kept(tmp_path):
+    stages = ((0, 2), (2, 4))
+    models = {}
+    for step in (7, 9):
+        torch.manual_seed(step)
+        models[step] = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+        _checkpointed(tmp_path, step, models[step], stages)
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000007", "step-00000009"]
+    # One bit flipped inside a tensor of step 9's second file: torch.load would take it.
+    broken = ckpt.stage_file(tmp_path, 9, 2, 4)
+    data = bytearray(broken.read_bytes())
+    with zipfile.ZipFile(broken) as archive:
+        record = next(i for i in archive.infolist() if i.filename.endswith("/data/0"))
+    name_len, extra_len = struct.unpack_from("<HH", data, record.header_offset + 26)
+    data[record.header_offset + 30 + name_len + extra_len + 5] ^= 0x01   # a weight's byte
+    broken.write_bytes(bytes(data))
+    part = cut(nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)]), 0, 4)
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.load_stage(tmp_path, (0, 4), part, None)
+    message = str(err.value)
+    assert str(broken) in message and "CRC-32" in message
+    assert "previous.json" in message and "step-00000007" in message
+    # The way the message says: step 7 comes back, bit for bit.
+    (tmp_path / "previous.json").replace(tmp_path / "latest.json")
+    assert ckpt.load_stage(tmp_path, (0, 4), part, None)["step"] == 7
+    for name, tensor in part.state_dict().items():
+        assert torch.equal(tensor, models[7].state_dict()[name])
+    # A third checkpoint keeps one before it, no more.
+    _checkpointed(tmp_path, 11, models[9], stages)
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000007", "step-00000011"]
+
+
+class _NotWeights:
+    pass
+
+
+def test_a_checkpoint_file_with_arbitrary_objects_is_refused(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(2)])
+    _checkpointed(tmp_path, 3, model, ((0, 2),))
+    path = ckpt.stage_file(tmp_path, 3, 0, 2)
+    torch.save({"children": (0, 2), "step": 3, "model": model.state_dict(),
+                "optimizer": {}, "payload": _NotWeights()}, path)   # weights_only=False would run it
+    with pytest.raises(ckpt.CheckpointError, match=str(path)):
+        ckpt.load_stage(tmp_path, (0, 2), cut(model, 0, 2), None)
+    (tmp_path / "latest.json").write_text("{not json")
+    with pytest.raises(ckpt.CheckpointError, match="latest.json is not JSON"):
+        ckpt.load_stage(tmp_path, (0, 2), cut(model, 0, 2), None)

@@ -3,8 +3,13 @@
 Replica 0's rank of every stage writes its own file, ``step-<N>/children-<a>-<b>.pt``
 (model tensors under the full model's key names, optimizer state keyed by parameter
 name, not by position). After a barrier, rank 0 atomically replaces ``latest.json``, which
-names the step's folder, then removes older folders. A crash before the rename leaves the
-previous checkpoint in force; a folder is never half-referenced.
+names the step's folder, keeps the manifest it replaced as ``previous.json`` (with its
+folder) and removes older folders. A crash before the rename leaves the previous
+checkpoint in force; a folder is never half-referenced.
+
+Files load with ``weights_only=True`` after a check of every record's CRC-32
+(runtime/checkpoint.py): a corrupt or missing file is an error naming it, and saying how
+to resume from the checkpoint before it.
 
 Loading picks, from every file, the keys of this stage's children, so a job restarted
 with fewer ranks and other stage boundaries (the supervisor's re-plan) resumes exactly.
@@ -21,9 +26,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from elastic.runtime.checkpoint import save_atomic
+from elastic.runtime.checkpoint import CheckpointError, load, save_atomic
 
 MANIFEST = "latest.json"
+PREVIOUS = "previous.json"
 
 
 def stage_file(folder: Path, step: int, start: int, end: int) -> Path:
@@ -42,25 +48,71 @@ def save_stage(folder: Path, step: int, children: tuple, module: nn.Module,
 
 
 def publish(folder: Path, step: int, stages: tuple, extra: dict) -> None:
-    """Make step ``step`` the checkpoint in force (rank 0, after every stage saved)."""
+    """Make step ``step`` the checkpoint in force (rank 0, after every stage saved); the
+    one it replaces stays, as ``previous.json``, for a file of the new one found corrupt."""
     manifest = {"step": step, "folder": f"step-{step:08d}",
                 "files": [stage_file(folder, step, a, b).name for a, b in stages], **extra}
-    fd, tmp = tempfile.mkstemp(prefix=MANIFEST, dir=folder)
-    with os.fdopen(fd, "w") as handle:
-        json.dump(manifest, handle, indent=1)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, folder / MANIFEST)
+    replaced = read_manifest(folder)
+    if replaced is not None and replaced["folder"] != manifest["folder"]:
+        _write_json(folder / PREVIOUS, replaced)
+    else:
+        replaced = None
+    _write_json(folder / MANIFEST, manifest)
+    keep = {manifest["folder"], replaced["folder"] if replaced else _kept_folder(folder)}
     for old in folder.glob("step-*"):
-        if old.name != manifest["folder"]:
+        if old.name not in keep:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def read_manifest(folder: Path) -> dict | None:
+def _kept_folder(folder: Path) -> str | None:
     try:
-        return json.loads((folder / MANIFEST).read_text())
+        return json.loads((folder / PREVIOUS).read_text())["folder"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_json(path: Path, value: dict) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=path.name, dir=path.parent)
+    with os.fdopen(fd, "w") as handle:
+        json.dump(value, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def read_manifest(folder: Path) -> dict | None:
+    path = folder / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
     except FileNotFoundError:
         return None
+    except ValueError as err:
+        raise CheckpointError(f"pipeline checkpoint manifest {path} is not JSON ({err})"
+                              f"{_previous_hint(folder)}") from None
+    if not (isinstance(manifest, dict) and isinstance(manifest.get("folder"), str)
+            and isinstance(manifest.get("files"), list) and isinstance(manifest.get("step"), int)):
+        raise CheckpointError(f"pipeline checkpoint manifest {path} lacks step, folder or files"
+                              f"{_previous_hint(folder)}")
+    return manifest
+
+
+def _previous_hint(folder: Path) -> str:
+    kept = _kept_folder(folder)
+    if kept is None or not (folder / kept).is_dir():
+        return ""
+    return (f"; the checkpoint before it is kept ({folder / kept}): copy {folder / PREVIOUS} "
+            f"over {folder / MANIFEST} to resume from there")
+
+
+def _load_file(folder: Path, path: Path) -> dict:
+    try:
+        saved = load(path)
+    except CheckpointError as err:
+        raise CheckpointError(f"pipeline {err}{_previous_hint(folder)}") from None
+    if saved is None:
+        raise CheckpointError(f"pipeline checkpoint file {path} is missing (named by "
+                              f"{folder / MANIFEST}){_previous_hint(folder)}")
+    return saved
 
 
 def _mine(key: str, start: int, end: int) -> bool:
@@ -80,7 +132,7 @@ def load_stage(folder: Path, children: tuple, module: nn.Module,
         a, b = (int(v) for v in name[len("children-"):-len(".pt")].split("-"))
         if a >= end or b <= start:
             continue
-        saved = torch.load(folder / manifest["folder"] / name, map_location="cpu", weights_only=False)
+        saved = _load_file(folder, folder / manifest["folder"] / name)
         model.update({k: v for k, v in saved["model"].items() if _mine(k, start, end)})
         optim.update({k: v for k, v in saved["optimizer"].items() if _mine(k, start, end)})
     module.load_state_dict(model, strict=True)
