@@ -12,7 +12,7 @@ demo: setup
 	$(PY) -m regatta demo
 
 test: setup
-	$(PY) -m pytest -q -ra --durations=30 $(PYTEST_ARGS)
+	REGATTA_REQUIRE_CAPABILITIES=1 $(PY) -m pytest -q -ra --durations=30 $(PYTEST_ARGS)
 
 bench: setup
 	for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -16,9 +16,19 @@ from pathlib import Path
 import psutil
 import pytest
 
+import capabilities
+
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 BIN = Path(PYTHON).parent
+
+
+def pytest_sessionstart(session):
+    if os.environ.get(capabilities.REQUIRE_ENV) == "1":
+        lacking = capabilities.missing()
+        if lacking:
+            pytest.exit("this machine cannot run the whole suite (" + capabilities.REQUIRE_ENV
+                        + "=1):\n- " + "\n- ".join(lacking), returncode=3)
 
 
 def kill_tree(pid: int) -> None:
@@ -233,7 +243,7 @@ def db_url(request, tmp_path):
 
 # -- the session's browser (Debian's chromium driven by playwright) ------------------------
 
-CHROMIUM = "/usr/bin/chromium"
+CHROMIUM = capabilities.CHROMIUM
 
 
 @pytest.fixture(scope="session")
