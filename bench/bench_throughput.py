@@ -1,11 +1,11 @@
 """Steady-state training speed, Regatta vs a stock Horovod DistributedOptimizer loop vs
-torch DDP (Gloo), side by side in one run, 2 ranks.
+torch DDP (Gloo), each baseline at its defaults and tuned, side by side in one run, 2 ranks.
 
     .venv/bin/python bench/bench_throughput.py            # a few minutes
     .venv/bin/python bench/bench_throughput.py --quick    # fewer, shorter turns
 
 Models: charlm (jobs/charlm.py, compute-heavy: 1.4 MB of gradients) and a ~26M-parameter
-MLP (bench/mlp.py, communication-heavy: 105 MB of gradients a step). Per model, the three
+MLP (bench/mlp.py, communication-heavy: 105 MB of gradients a step). Per model, the five
 arms are started once, each warmed up alone, then take turns: only one arm runs at a
 time (the others are stopped with SIGSTOP, so they use no CPU), for ``--turn`` seconds,
 in an order that rotates every round. Load that comes and goes on the machine hits every
@@ -14,7 +14,11 @@ arm alike, and no arm pays another's start-up.
 * regatta: ``regatta local`` (horovodrun elastic, 2 simulated hosts), the job through
   ``elastic.train.train`` with its default reduction (bench/throughput_worker.py);
 * stock: the same launcher, Horovod's documented elastic loop with DistributedOptimizer;
-* ddp: ``torchrun``, DistributedDataParallel over Gloo.
+* stock-tuned: the same with Horovod's cycle and fusion threshold set for this CPU
+  machine (``STOCK_TUNED_CYCLE_MS``, the fusion threshold at Regatta's bucket size);
+* ddp: ``torchrun``, DistributedDataParallel over Gloo, at its defaults;
+* ddp-tuned: the same with ``gradient_as_bucket_view=True`` and Regatta's bucket size
+  (``bucket_cap_mb``), as a user tuning it would.
 
 Same job, data split, optimizer, global batch, allocator setting (``--allocator``: by
 default every arm keeps the memory it frees, as Regatta's runtime does, see
@@ -49,7 +53,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 BIN = Path(sys.executable).parent
-ARMS = ("regatta", "stock", "ddp")
+ARMS = ("regatta", "stock", "stock-tuned", "ddp", "ddp-tuned")
+# Horovod's CPU settings for stock-tuned: the cycle a sweep of 1, 2.5, 5 and 10 ms found
+# best for Horovod on this machine (docs/measurements.md; at 1 ms, Horovod's default, the
+# stock loop's threads took 25-33 % of a rank's CPU), the fusion threshold at Regatta's
+# bucket size.
+STOCK_TUNED_CYCLE_MS = 5
 MODELS = ("charlm", "mlp")
 ALLOCATORS = ("kept", "glibc", "shipped")
 RANKS = 2
@@ -86,7 +95,7 @@ def options(argv=None) -> argparse.Namespace:
 def start(arm: str, model: str, run_dir: Path, overrides: list[str], allocator: str) -> subprocess.Popen:
     job_args = ["--arm", arm, "--model", model, "--db", str(run_dir / "m.db"),
                 *[f"--set={pair}" for pair in overrides]]
-    if arm == "ddp":
+    if arm.startswith("ddp"):
         command = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(RANKS), "-m",
                    "bench.throughput_worker", "--run-dir", str(run_dir), "--steps", str(FOREVER),
                    "--no-progress", *job_args]
@@ -101,10 +110,23 @@ def start(arm: str, model: str, run_dir: Path, overrides: list[str], allocator: 
     # OMP_NUM_THREADS of the bench's own: Regatta would follow it, the other arms not.
     env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "lo",
            **allocator_env(arm, allocator)}
+    if arm == "stock-tuned":
+        env.update(HOROVOD_CYCLE_TIME=str(STOCK_TUNED_CYCLE_MS),
+                   HOROVOD_FUSION_THRESHOLD=str(int(bucket_mb(overrides) * 2**20)))
     run_dir.mkdir(parents=True, exist_ok=True)
     log = open(launcher_log(run_dir), "w")
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
+
+
+def bucket_mb(overrides: list[str]) -> float:
+    """Regatta's bucket size in this run (``--set train.bucket_mb=...``, else its default)."""
+    from elastic.config import TrainConfig
+    for pair in overrides:
+        key, _, value = pair.partition("=")
+        if key == "train.bucket_mb":
+            return float(value)
+    return TrainConfig().bucket_mb
 
 
 def allocator_env(arm: str, allocator: str) -> dict:
@@ -218,17 +240,20 @@ def report(model: str, result: dict, memcpy: float) -> None:
     batch, nbytes = header["global_batch"], header["grad_bytes"]
     print(f"\n== {model}: {nbytes / 2**20:.1f} MiB of gradients, global batch {batch}, {RANKS} ranks, "
           f"{len(turns['regatta'])} turns of each arm")
-    print(f"{'arm':8} {'steps/s median [min-max]':>26} {'samples/s':>10} {'peak RSS/rank MiB':>18} "
+    print(f"{'arm':11} {'steps/s median [min-max]':>26} {'samples/s':>10} {'peak RSS/rank MiB':>18} "
           f"{'threads/rank':>12} {'freed memory':>12}")
     for arm in ARMS:
         good = [r for r in rates[arm] if r is not None]
         kept = {True: "kept", False: "glibc"}.get(logs[arm][0].get("keeps_freed_memory"), "?")
-        print(f"{arm:8} {spread(good):>26} {statistics.median(good) * batch:10.1f} "
+        print(f"{arm:11} {spread(good):>26} {statistics.median(good) * batch:10.1f} "
               f"{max(result['rss'][arm]) / 2**20:18.0f} {logs[arm][0].get('threads', '?'):>12} "
               f"{kept:>12}")
-    for other in ("stock", "ddp"):
+    for other in ARMS[1:]:
         ratios = [a / b for a, b in zip(rates["regatta"], rates[other]) if a and b]
-        print(f"regatta / {other:5}: {spread(ratios)} per round")
+        print(f"regatta / {other:11}: {spread(ratios)} per round")
+    print(f"stock-tuned: HOROVOD_CYCLE_TIME={logs['stock-tuned'][0].get('cycle_ms')} ms, "
+          f"HOROVOD_FUSION_THRESHOLD={logs['stock-tuned'][0].get('fusion_bytes')} bytes; "
+          f"ddp-tuned: {logs['ddp-tuned'][0].get('ddp_options')}")
     rows = [s for b, e, _ in turns["regatta"] for s in logs["regatta"][1] if b <= s["t"] <= e]
     overlap = [s["overlap"] for s in rows if s.get("overlap") is not None]
     exposed = [s["comm_time"] / s["step_time"] for s in rows if s.get("step_time")]

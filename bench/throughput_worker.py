@@ -107,7 +107,9 @@ def run_regatta(job, config, header: dict) -> None:
     train(job, config, callbacks=[on_step])
 
 
-def run_stock(job, config, header: dict) -> None:
+def run_stock(job, config, header: dict, arm: str = "stock") -> None:
+    """Horovod's documented elastic loop; "stock-tuned" differs only in the environment
+    bench_throughput gives it (HOROVOD_CYCLE_TIME, HOROVOD_FUSION_THRESHOLD)."""
     import horovod.torch as hvd
     from elastic.optim import make_optimizer
     cfg = config["train"]
@@ -116,7 +118,9 @@ def run_stock(job, config, header: dict) -> None:
     flat = torch.ones(header["grad_bytes"] // 4)
     header["allreduce_s"] = timed(lambda: hvd.allreduce_(flat, op=hvd.Sum, name="bench.flat"))
     del flat
-    log = StepLog(cfg.run_dir, "stock", hvd.rank(), header)
+    header.update(cycle_ms=os.environ.get("HOROVOD_CYCLE_TIME", "Horovod's default"),
+                  fusion_bytes=os.environ.get("HOROVOD_FUSION_THRESHOLD", "Horovod's default"))
+    log = StepLog(cfg.run_dir, arm, hvd.rank(), header)
     torch.manual_seed(cfg.seed)
     model = job.build_model()
     optimizer = hvd.DistributedOptimizer(make_optimizer(model.parameters(), cfg),
@@ -137,7 +141,9 @@ def run_stock(job, config, header: dict) -> None:
     loop(state)
 
 
-def run_ddp(job, config, header: dict) -> None:
+def run_ddp(job, config, header: dict, arm: str = "ddp") -> None:
+    """DDP at its defaults, or ("ddp-tuned") as a user tuning it would: buckets as views of
+    the gradients (no copy in and out) and Regatta's bucket size."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
     from elastic.optim import make_optimizer
@@ -148,9 +154,12 @@ def run_ddp(job, config, header: dict) -> None:
     flat = torch.ones(header["grad_bytes"] // 4)
     header["allreduce_s"] = timed(lambda: dist.all_reduce(flat))
     del flat
-    log = StepLog(cfg.run_dir, "ddp", rank, header)
+    tuned = arm == "ddp-tuned"
+    options = {"gradient_as_bucket_view": True, "bucket_cap_mb": cfg.bucket_mb} if tuned else {}
+    header["ddp_options"] = options
+    log = StepLog(cfg.run_dir, arm, rank, header)
     torch.manual_seed(cfg.seed)
-    model = DistributedDataParallel(job.build_model())
+    model = DistributedDataParallel(job.build_model(), **options)
     optimizer = make_optimizer(model.parameters(), cfg)
     data = batches(job, cfg, rank, size)
     for _ in range(cfg.steps):
@@ -166,7 +175,8 @@ def run_ddp(job, config, header: dict) -> None:
     os._exit(0)
 
 
-ARMS = {"regatta": run_regatta, "stock": run_stock, "ddp": run_ddp}
+ARMS = {"regatta": run_regatta, "stock": run_stock, "stock-tuned": run_stock, "ddp": run_ddp,
+        "ddp-tuned": run_ddp}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -180,7 +190,10 @@ def main(argv: list[str] | None = None) -> None:
     job, config = job_and_config(ours.model, rest)
     header = {"arm": ours.arm, "model": ours.model, "grad_bytes": grad_bytes(job),
               "global_batch": config["train"].global_batch, "keeps_freed_memory": keeps}
-    ARMS[ours.arm](job, config, header)
+    if ours.arm == "regatta":
+        run_regatta(job, config, header)
+    else:
+        ARMS[ours.arm](job, config, header, ours.arm)
 
 
 if __name__ == "__main__":
