@@ -16,8 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-from monitor.sink import make_sink
-
 from ..whole_files import replace_text
 
 from .env import Env
@@ -100,6 +98,8 @@ def code_revision(path: str | None = None) -> str | None:
 
 def open_sink(cfg, env: Env):
     """The metrics sink for this worker: HTTP ingest, else the store at ``train.db``."""
+    # imported here: launchers name runs with this module and must not pay for SQLAlchemy
+    from monitor.sink import make_sink
     db = cfg.db or str(Path(cfg.run_dir) / "metrics.db")   # db = "" still means this run only
     if not cfg.ingest and "://" not in db:
         Path(db).parent.mkdir(parents=True, exist_ok=True)
