@@ -2,11 +2,12 @@
 
     .venv/bin/python bench/bench_state.py [--sizes 10M,100M] [--dp 2,3] [--repeats 3] [--additions 10]
 
-For each model size (an MLP of 10 square layers, Adam) and data-parallel width, both
-flavours run under a real ``horovodrun --gloo`` on this machine (bench/state_worker.py
+For each model size (an MLP of 10 square layers, Adam) and data-parallel width, the
+three flavours run under a real ``horovodrun --gloo`` on this machine (bench/state_worker.py
 says what each measures), one after the other, the order alternating from one
-configuration to the next. Per metric it prints p50 and max over repeats and ranks, and
-the ratio regatta / stock:
+configuration to the next. Per metric it prints p50 / p95 / max over repeats and ranks, and
+the ratios of the p50s, regatta / stock and regatta / regatta-commit (the same runtime
+going back to the commit after every failure, as before survivors kept their live state):
 
 * commit: one in-memory commit; restore: a failure's restore plus the sync after the
   reset (Horovod's elastic loop always runs both); sync to a new worker;
@@ -47,7 +48,8 @@ HOROVODRUN = str(Path(sys.executable).parent / "horovodrun")
 REGATTA_LOCAL = [sys.executable, "-m", "regatta", "local"]
 STOCK_LOOP = ["--module", "bench.stock_elastic", "--stock-recovery", "--cold-workers"]
 ADD_EVERY = 1200    # steps from one addition to the next (stock takes ~400 to add a host)
-FLAVOURS = ("stock", "regatta")
+FLAVOURS = ("stock", "regatta-commit", "regatta")   # state_worker.py says what each is
+ADDITION_FLAVOURS = ("stock", "regatta")
 MB = 1 << 20
 
 
@@ -88,7 +90,8 @@ def run_bounded(cmd: list[str], env: dict, timeout: float) -> subprocess.Complet
 
 
 def spread(values: list[float], unit: float = 1.0) -> str:
-    return f"{statistics.median(values) / unit:8.3f} (max {max(values) / unit:8.3f})"
+    """p50 / p95 / max."""
+    return "/".join(f"{v / unit:.3f}" for v in (percentile(values, 0.5), percentile(values, 0.95), max(values)))
 
 
 def write_slowdown(root: dict) -> dict:
@@ -128,15 +131,18 @@ ROWS = (("commit (s)", "commit_s", 1.0), ("restore + sync (s)", "restore_s", 1.0
 
 
 def report(params: int, dp: int, results: dict) -> dict:
-    stock, ours = summarise(results["stock"]), summarise(results["regatta"])
+    stock, rollback, ours = (summarise(results[f]) for f in FLAVOURS)
     print(f"\n== {results['regatta'][0]['params'] / 1e6:.1f}M parameters (Adam), dp = {dp} ==")
-    print(f"{'':32s} {'stock p50 (max)':>26s} {'regatta p50 (max)':>26s} {'ratio':>7s}")
+    print(f"{'':30s} {'stock p50/p95/max':>22s} {'regatta-commit p50/p95/max':>26s} "
+          f"{'regatta p50/p95/max':>22s} {'/stock':>7s} {'/commit':>7s}")
     for label, key, unit in ROWS:
-        ratio = statistics.median(ours[key]) / max(statistics.median(stock[key]), 1e-9)
-        print(f"{label:32s} {spread(stock[key], unit):>26s} {spread(ours[key], unit):>26s} {ratio:7.2f}")
-    for name, result in (("stock", stock), ("regatta", ours)):
+        p50 = {name: max(statistics.median(r[key]), 1e-9) for name, r in zip(FLAVOURS, (stock, rollback, ours))}
+        print(f"{label:30s} {spread(stock[key], unit):>22s} {spread(rollback[key], unit):>26s} "
+              f"{spread(ours[key], unit):>22s} {p50['regatta'] / p50['stock']:7.2f} "
+              f"{p50['regatta'] / p50['regatta-commit']:7.2f}")
+    for name, result in zip(FLAVOURS, (stock, rollback, ours)):
         ratios = result["slowdown"]["ratios"]
-        print(f"step while writing / without, {name:8s} per round p50 {percentile(ratios, 0.5):.3f} "
+        print(f"step while writing / without, {name:14s} per round p50 {percentile(ratios, 0.5):.3f} "
               f"p95 {percentile(ratios, 0.95):.3f} max {max(ratios):.3f} over {len(ratios)} rounds; "
               f"{result['slowdown']['overlapped']} steps overlapped a write"
               + (f", pooled {result['slowdown']['pooled']:.3f}" if result["slowdown"]["overlapped"] else ""))
@@ -211,7 +217,7 @@ def main() -> None:
                 order.reverse()     # alternate, so load drifts hit both alike
                 goals[params, dp] = report(params, dp, results)
         if args.additions:
-            found = {flavour: additions(flavour, args.additions, Path(tmp)) for flavour in FLAVOURS}
+            found = {flavour: additions(flavour, args.additions, Path(tmp)) for flavour in ADDITION_FLAVOURS}
             addition_p95 = report_additions(found, args.additions)
     print("\nload average at end:", Path("/proc/loadavg").read_text().strip())
     for (params, dp), goal in goals.items():

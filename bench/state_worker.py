@@ -8,10 +8,15 @@ model of a given size, and writes what it measured as JSON (rank 0 also the step
   committed with ``state.save()``; after a failure Horovod runs ``restore()`` then, after
   the reset, ``sync()``; a durable checkpoint is rank 0's ``torch.save`` in the loop.
 * regatta: the data-parallel engine inside Regatta's runtime (its own step, sharded
-  commits, background checkpoints); a restore is ``restore_committed()`` then the sync.
+  commits, background checkpoints); a restore is ``restore_committed()`` then the sync:
+  the survivors agree their live states match and go on from them (nothing restored).
+* regatta-commit: the same with ``train.recover_from = "commit"``: every restore goes back
+  to the last commit, reassembled from the shares the ranks hold.
 
-A new worker's sync is simulated in a fixed world: one rank (the last) restores while the
-others' live state is the commit, so the whole state travels as it would to a newcomer.
+A new worker's sync is simulated in a fixed world: one rank (the last) gives up its state
+(it goes back to the commit, and holds no live state), so the whole state travels to it
+as it would to a newcomer: for regatta a stripe from each other rank's live state, for
+regatta-commit from the commit's shares, for stock Horovod's broadcast from rank 0.
 Memory is RSS after ``malloc_trim`` (so freed pages are not counted), on every rank,
 before and after the first commit (stock: ``TorchState(...)``, which saves; regatta: the
 first sync, which places the shares and commits), both after two steps so that Adam's
@@ -37,7 +42,7 @@ from torch import nn
 
 LIBC = ctypes.CDLL("libc.so.6")
 GLOBAL_BATCH = 24        # samples per step over all ranks (dp = 2 and 3 both divide it)
-WIDTH = {10_000_000: 1000, 100_000_000: 3160}
+WIDTH = {10_000_000: 1000, 100_000_000: 3160, 300_000_000: 5477}
 MAX_WRITING_STEPS = 100   # a bound on a round whose write never ends
 
 
@@ -102,7 +107,7 @@ class Stock:
     def commit(self) -> None:
         self.state.save()
 
-    def restore(self, me: bool) -> None:
+    def restore(self, me: bool, newcomer: bool = False) -> None:
         if me:
             self.state.restore()
         self.state.sync()
@@ -126,7 +131,7 @@ class Stock:
 
 
 class Regatta:
-    def __init__(self, job: MlpJob, folder: Path):
+    def __init__(self, job: MlpJob, folder: Path, recover_from: str = "live"):
         from elastic.config import TrainConfig
         from elastic.dataparallel.engine import DataParallelEngine
         from elastic.runtime.control import Pending
@@ -134,7 +139,8 @@ class Regatta:
         from elastic.runtime.worker import Runtime
         from elastic.training import from_job
         cfg = TrainConfig(steps=10 ** 6, global_batch=GLOBAL_BATCH, lr=1e-4,
-                          run_dir=str(folder / "run"), db=str(folder / "m.db"), progress=False)
+                          run_dir=str(folder / "run"), db=str(folder / "m.db"), progress=False,
+                          recover_from=recover_from)
         self.runtime = Runtime(Env.read(), cfg, job.name, {})
         self.engine = DataParallelEngine(from_job(job), cfg)
         self.runtime.init(self.engine)
@@ -155,10 +161,15 @@ class Regatta:
     def commit(self) -> None:
         self.state.save()
 
-    def restore(self, me: bool) -> None:
+    def restore(self, me: bool, newcomer: bool = False) -> None:
+        cfg = self.runtime.cfg
+        configured = cfg.recover_from
+        if newcomer:
+            cfg.recover_from = "commit"    # this rank goes back to the commit: no live state
         if me:
             self.state.restore_committed()
         self.state.sync_state()
+        cfg.recover_from = configured
         self.engine.enter(self.state)      # the loader restarts from the restored cursor
 
     def checkpoint(self) -> None:
@@ -192,7 +203,8 @@ def measure(flavour, repeats: int, steps: int) -> dict:
         out["commit_s"].append(timed(flavour.commit))
         flavour.step()
         out["restore_s"].append(timed(lambda: flavour.restore(True)))
-        out["sync_new_s"].append(timed(lambda: flavour.restore(hvd.rank() == hvd.size() - 1)))
+        last = hvd.rank() == hvd.size() - 1
+        out["sync_new_s"].append(timed(lambda: flavour.restore(last, newcomer=last)))
     out["plain_s"], out["writing_s"], out["checkpoint_s"], out["write_s"] = [], [], [], []
     for _ in range(repeats):
         out["plain_s"].append([timed(flavour.step) for _ in range(steps)])   # no write in flight
@@ -213,7 +225,7 @@ def measure(flavour, repeats: int, steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--flavour", choices=["stock", "regatta"], required=True)
+    parser.add_argument("--flavour", choices=["stock", "regatta", "regatta-commit"], required=True)
     parser.add_argument("--params", type=int, required=True)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4, help="steps without a write per checkpoint round")
@@ -223,10 +235,13 @@ def main() -> None:
     torch.set_num_threads(1)
     job = MlpJob(args.params)
     with tempfile.TemporaryDirectory(prefix="bench-state-") as folder:
-        flavour = (Stock if args.flavour == "stock" else Regatta)(job, Path(folder))
+        if args.flavour == "stock":
+            flavour = Stock(job, Path(folder))
+        else:
+            flavour = Regatta(job, Path(folder), "commit" if args.flavour == "regatta-commit" else "live")
         out = measure(flavour, args.repeats, args.steps)
         out["params"] = sum(p.numel() for p in flavour.model.parameters())
-        if args.flavour == "regatta":
+        if args.flavour != "stock":
             flavour.runtime.close()
     everyone = hvd.allgather_object(out, name="bench.results")
     if hvd.rank() == 0:

@@ -24,6 +24,7 @@ def _require(ok: bool, message: str) -> None:
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 GRADIENT_SUMS = ("auto", "horovod", "gloo")   # who sums the buckets (dataparallel/gloo_sums.py)
+RECOVER_FROM = ("live", "commit")     # where survivors take the state from (dataparallel/live.py)
 
 
 @dataclass
@@ -39,6 +40,8 @@ class TrainConfig:
     loader_workers: int = 2         # DataLoader worker processes for a Dataset (0: in-process)
     commit_every: int | str = 10    # steps between in-memory commits, or "auto" (Young/Daly)
     checkpoint_every: int = 5       # commits between durable checkpoints (0: never)
+    recover_from: str = "live"      # live: survivors go on from their own state after a
+                                    # failure; commit: every failure rolls back to the last commit
     checkpoint_dir: str = ""        # "" -> <run_dir>/checkpoint
     eval_every: int = 0             # steps between evaluations on rank 0, logged (0: only at end)
     seed: int = 0
@@ -72,6 +75,8 @@ class TrainConfig:
         _require(self.commit_every == "auto" or (isinstance(self.commit_every, int)
                                                   and self.commit_every > 0),
                  f"train.commit_every must be a positive integer or 'auto', got {self.commit_every!r}")
+        _require(self.recover_from in RECOVER_FROM,
+                 f"train.recover_from must be one of {', '.join(RECOVER_FROM)}, got {self.recover_from!r}")
         _require(self.checkpoint_every >= 0,
                  f"train.checkpoint_every must be >= 0, got {self.checkpoint_every}")
         _require(self.eval_every >= 0, f"train.eval_every must be >= 0, got {self.eval_every}")

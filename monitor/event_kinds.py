@@ -62,6 +62,11 @@ KINDS: dict[str, EventKind] = {k.name: k for k in (
     EventKind("reset", NONE, "reset", _PURPLE, "diamond-open"),
     EventKind("sync", NONE, "sync", _PURPLE, "diamond-open"),
     EventKind("resumed", NONE, "resumed", _GREEN, "triangle-right"),
+    # Which state a re-formed world went on from (detail moved_bytes, steps_redone, cost_s)
+    EventKind("recovered_live", NONE, "went on from live state", _GREEN),
+    EventKind("adopted", NONE, "took a peer's live state", _GREEN),
+    EventKind("restored_commit", NONE, "restored the commit", _ORANGE),
+    EventKind("restored_checkpoint", NONE, "restored the checkpoint", _RED),
     EventKind("blacklist", NONE, "blacklisted", _RED),
     EventKind("stall_cleared", NONE, "stall cleared", _GREEN),
     EventKind("commit_interval", NONE, "commit interval", _CYAN),

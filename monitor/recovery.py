@@ -26,6 +26,12 @@ is the first event of its kinds after t and before the next trigger:
     reset_done      first reset            (Horovod re-initialised at the new size)
     state_synced    first sync             (the survivors share rank 0's state)
     first_step_done first resumed          (a step completed in the new world)
+
+Which state the re-formed world went on from is the costliest recovery event of the
+window (``RECOVERY_PATHS``, cheapest first: the survivors' live state, a live state some
+ranks took from the others, the in-memory commit, the durable checkpoint), with the bytes
+it moved; its ``steps_redone`` is the window's, where it was recorded (a worker restarted
+in place records a restore that assumes the commit).
 """
 from __future__ import annotations
 
@@ -35,7 +41,8 @@ TRIGGERS = ("failure", "host_added", "host_removed")
 FAULTS = ("kill_injected", "fault_injected")
 PHASES = (("detected", ("peer_lost", "restore")), ("reset_done", ("reset",)),
           ("state_synced", ("sync",)), ("first_step_done", ("resumed",)))
-KINDS = TRIGGERS + FAULTS + ("peer_lost", "restore", "reset", "sync", "resumed")
+RECOVERY_PATHS = ("recovered_live", "adopted", "restored_commit", "restored_checkpoint")
+KINDS = TRIGGERS + FAULTS + ("peer_lost", "restore", "reset", "sync", "resumed") + RECOVERY_PATHS
 GROUP_S = 5.0
 HOST_CHANGE_S = 60.0
 FAULT_MATCH_S = 600.0   # a failure noticed this long after a fault on its host is its
@@ -114,8 +121,12 @@ def phases(events: list[dict], start: float, until: float) -> dict:
         hit = _first(events, kinds, start, until)
         out[name + "_s"] = None if hit is None else hit["wall_time"] - start
     restores = [e for e in events if e["kind"] == "restore" and start <= e["wall_time"] < until]
-    out["steps_redone"] = max((_number(detail(e).get("steps_redone"), 0) for e in restores),
+    paths = [e for e in events if e["kind"] in RECOVERY_PATHS and start <= e["wall_time"] < until]
+    out["steps_redone"] = max((_number(detail(e).get("steps_redone"), 0) for e in paths or restores),
                               default=0)
+    costliest = max(paths, key=lambda e: RECOVERY_PATHS.index(e["kind"]), default=None)
+    out["recovered_from"] = costliest and costliest["kind"]
+    out["moved_bytes"] = max((_number(detail(e).get("moved_bytes"), 0) for e in paths), default=None)
     out["restored_to"] = min((e["step"] for e in restores if _number(e.get("step")) is not None),
                              default=None)
     return out

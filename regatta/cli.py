@@ -28,7 +28,7 @@ def cmd_local(args) -> int:
     for change in report["changes"]:
         print(f"{change['kind']} of {change['host']} at step {change['step']}: "
               f"first step at new size after {change['first_step_done_s']} s, "
-              f"steps redone {change['steps_redone']}")
+              f"steps redone {change['steps_redone']}, went on from {change.get('recovered_from') or '-'}")
     return report["exit_code"]
 
 

@@ -37,8 +37,9 @@ def test_kill_one_of_three_finishes_on_two(kill_run):
     (failure,) = report["changes"]
     assert failure["kind"] == "failure" and failure["host"] == "127.0.0.3"
     assert failure["size_after"] == 2
-    assert 0 < failure["steps_redone"] <= K
-    assert failure["steps_redone"] == 75 - 70   # killed at 75, last commit at 70
+    # killed at 75, last commit at 70: the survivors go on from their live state at 75
+    assert failure["steps_redone"] == 0 and failure["recovered_from"] == "recovered_live"
+    assert failure["moved_bytes"] == 0
     assert failure["first_step_done_s"] is not None
     assert report["metrics"]["accuracy"] >= 0.9
 
@@ -61,22 +62,26 @@ def test_survivors_end_with_identical_parameters(kill_run):
     assert finals[0]["param_hash"] == finals[1]["param_hash"]
 
 
-def test_restore_equals_last_commit_exactly(kill_run):
-    """No gradient computed before the reset is applied: once the survivors have
-    reassembled the commit from their shares (each held 2 of the 3), the parameters and
-    the optimizer state are bit for bit those of the last commit."""
+def test_survivors_go_on_from_their_live_state(kill_run):
+    """The failed step applied nothing, so the survivors stand at step 75 with one state
+    (model, optimizer, step and cursor: digests equal), five steps past the commit at 70:
+    they agree on it and go on from there, restoring nothing."""
     _, report = kill_run
     restores = kinds(report, "restore")
     assert {e["host"] for e in restores} == {"127.0.0.2", "127.0.0.4"}
-    assert {(e["step"], e["from_step"]) for e in restores} == {(70, 75)}
+    assert {(e["step"], e["from_step"], e["steps_redone"]) for e in restores} == {(75, 75, 0)}
     commits = [e for e in kinds(report, "commit") if e["step"] == 70]
     assert len(commits) == 3 and all(len(e["held"]) == 2 for e in commits)
     assert all(abs(e["held_bytes"] - 2 * e["state_bytes"] / 3) <= 128 for e in commits)
     (committed,) = {(e["param_hash"], e["optimizer_hash"]) for e in commits}
     synced = [e for e in kinds(report, "sync") if e["wall_time"] > restores[0]["wall_time"]]
     assert {e["host"] for e in synced} == {"127.0.0.2", "127.0.0.4"}
-    assert all(e["source"] == "memory" and e["from_step"] == 70 for e in synced)
-    assert {(e["param_hash"], e["optimizer_hash"]) for e in synced} == {committed}
+    assert all((e["source"], e["from_step"], e["moved_bytes"]) == ("live", 75, 0) for e in synced)
+    (live,) = {(e["param_hash"], e["optimizer_hash"], e["state_hash"]) for e in synced}
+    assert live[:2] != committed    # five steps on from the commit, not rolled back to it
+    went_on = kinds(report, "recovered_live")
+    assert {(e["host"], e["step"], e["moved_bytes"], e["steps_redone"]) for e in went_on} == {
+        ("127.0.0.2", 75, 0, 0), ("127.0.0.4", 75, 0, 0)}
 
 
 def test_final_checkpoint_is_written_in_the_background_and_complete(kill_run):
@@ -109,7 +114,8 @@ def test_store_holds_failure_and_world_size_change(kill_run):
     per_size = {}
     for step, size, count in rows:
         per_size.setdefault(size, set()).add(step)
-    assert max(per_size[3]) == 75 and min(per_size[2]) == 71 and max(per_size[2]) == 240
+    # step rows count steps done: 75 at 3, then from the failed step on at 2 (none redone)
+    assert max(per_size[3]) == 75 and min(per_size[2]) == 76 and max(per_size[2]) == 240
     assert run["status"] == "finished"
     # The killed worker's spool (an empty file: it had delivered everything) was replayed
     # and removed by the launcher, not left for a later run on this store to adopt.
@@ -274,5 +280,7 @@ def test_auto_commit_interval_is_chosen_and_shared(tmp_path):
         if e["wall_time"] < restore["wall_time"]:
             steps.setdefault(e["host"], []).append(e["step"])
     assert len(steps) == 2 and len({tuple(v) for v in steps.values()}) == 1
-    # ... so the survivor restored to the last of them.
-    assert restore["step"] == max(next(iter(steps.values())))
+    # ... and the survivor went on from its live state at the kill's step, past the last
+    # of them (a failure no longer costs the steps since the commit).
+    assert (restore["step"], restore["steps_redone"]) == (250, 0)
+    assert restore["step"] >= max(next(iter(steps.values())))

@@ -64,14 +64,24 @@ def test_each_double_failure_is_recovered_in_seconds(double_kills):
         assert resumed and resumed[0]["wall_time"] - first["wall_time"] < 20
 
 
-def test_the_survivor_continues_from_its_last_commit(double_kills):
-    """Whether it was restarted in place (its commit handed over) or not, the survivor
-    resumes exactly at a commit it made, with the same parameters."""
+def test_the_survivor_continues_from_its_live_state_or_its_last_commit(double_kills):
+    """After each episode the survivor goes on from its live state, at the step the
+    failure interrupted, or (restarted in place: its commit handed over; or with no live
+    state left among the survivors) exactly at a commit it made, with the same parameters."""
     _, report, _ = double_kills
     survivor = [e for e in report["events"] if e["host"] == "127.0.0.2"]
     commits = {e["step"]: e["param_hash"] for e in survivor if e["kind"] == "commit"}
     syncs = [e for e in survivor if e["kind"] == "sync"][1:]   # after the first
-    assert syncs and all(commits.get(e["step"]) == e["param_hash"] for e in syncs)
+    assert syncs
+    for sync in syncs:
+        if sync["source"] == "live":
+            (restore, *_) = [e for e in reversed(survivor) if e["kind"] == "restore"
+                             and e["wall_time"] < sync["wall_time"]]
+            # the step it was in (a restart in place records the commit's as its restore step)
+            assert sync["step"] == restore["from_step"], (sync, restore)
+            assert restore.get("in_place") or restore["step"] == sync["step"], (sync, restore)
+        else:
+            assert sync["source"] == "memory" and commits.get(sync["step"]) == sync["param_hash"]
     for restarted in [e for e in survivor if e["kind"] == "restart_in_place"]:
         loaded = [e for e in survivor if e["kind"] == "handoff_loaded"
                   and e["wall_time"] > restarted["wall_time"]]
@@ -237,7 +247,9 @@ def test_a_death_as_the_sync_starts_is_recovered_in_seconds(killed_syncing):
         mine = [e for e in report["events"] if e["host"] == host]
         commits = {e["step"]: e["param_hash"] for e in mine if e["kind"] == "commit"}
         (sync,) = [e for e in mine if e["kind"] == "sync" and e["wall_time"] > second["wall_time"]]
-        if sync["source"] == "memory":
+        if sync["source"] == "live":   # the cut sync had moved nothing into them yet
+            assert (sync["from_step"], sync["moved_bytes"]) == (60, 0)
+        elif sync["source"] == "memory":
             assert (sync["from_step"], sync["param_hash"]) == (60, commits[60])
         else:   # the two dead held both copies of a share (Horovod orders hosts its own way)
             assert (sync["source"], sync["from_step"], sync["param_hash"]) == \
@@ -246,6 +258,8 @@ def test_a_death_as_the_sync_starts_is_recovered_in_seconds(killed_syncing):
             loaded = [e for e in mine if e["kind"] == "handoff_loaded"
                       and e["wall_time"] > restarted["wall_time"]]
             assert loaded and loaded[0]["step"] == 60
+    after = [e for e in kinds(report, "sync") if e["wall_time"] > second["wall_time"]]
+    assert len({e["param_hash"] for e in after}) == 1     # one state on both survivors
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,9 @@
 """Sharded data-parallel commits and background checkpoints with real processes.
 
 Under a real `horovodrun` on 4 simulated hosts, two workers are SIGKILLed together from
-outside at an instant of the test's choosing: when every share of the commit still has a
+outside at an instant of the test's choosing, the survivors told to go back to the commit
+(``train.recover_from = "commit"``: what happens wherever no survivor holds a live state,
+dataparallel/live.py; test_live_recovery.py covers the live path): when every share of the commit still has a
 copy among the survivors (the victims' own shares only as their buddies' copies) the
 state is reassembled from memory, parameters and optimizer state bit for bit the last
 commit's; when one share has none, from the durable checkpoint. Under `mpirun`, the
@@ -27,7 +29,8 @@ STEPS = 400         # room for the kill to land long before the end on a busy ma
 
 def lose_two(tmp, leaves_a_copy: bool, checkpoint_every: int):
     with LocalRun(tmp, "digits", "--hosts", "4", "--steps", str(STEPS), "--commit-every", "10",
-                  job_args=["--db", str(tmp / "m.db"), "--checkpoint-every", str(checkpoint_every)],
+                  job_args=["--db", str(tmp / "m.db"), "--checkpoint-every", str(checkpoint_every),
+                            "--set", "train.recover_from=commit"],
                   timeout=300) as run:
         held = run.wait_for(lambda ev: h if len(h := held_at(ev, KILL_AFTER)) == 4 else None,
                             f"commit at step {KILL_AFTER} on 4 hosts")

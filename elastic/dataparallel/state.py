@@ -6,10 +6,16 @@ GradScaler, the user's own), plus the step and the sampler cursor.
 
 * A commit keeps, in host memory, only this rank's share of that state and its buddy's
   (snapshot.py; placement in runtime/shards.py): 2/dp of it, no communication.
-* A restore after a failure is local only for the step and cursor: the bytes come back in
-  ``sync_state``, once Horovod has re-formed the world, from whichever survivors hold
-  them. Only when some share has no surviving copy does the durable checkpoint step in
-  (a ``state_lost`` event); with none on disk the job stops with a message saying so.
+* After a failure the survivors keep their live state (live.py): a failed step applied
+  nothing, so at the sync they agree, in the inventory, that they stand at the same
+  step and cursor and go on from there; nothing is restored and nothing moves between
+  them (``recovered_live``). Ranks one step behind, and new workers, receive the live
+  state, a stripe from every rank holding it (``adopted``).
+* Only where no rank holds a live state (or ``train.recover_from = "commit"``) does a
+  restore go back to the commit: local for the step and cursor, the bytes reassembled in
+  ``sync_state`` from whichever survivors hold them (``restored_commit``). Only when some
+  share has no surviving copy does the durable checkpoint step in (``state_lost``, then
+  ``restored_checkpoint``); with none on disk the job stops with a message saying so.
 * A sync where no one holds a commit (a fresh start) sends rank 0's live state (the seed,
   or the checkpoint rank 0 resumed from); new workers get the last commit.
 * Rank 0 writes the durable checkpoint from a snapshot in shared memory, from a process at
@@ -29,7 +35,7 @@ from elastic.runtime.flat import Flat, tree_digest
 from elastic.runtime.shards import Part, buddies, cover, covering_step, kept_by, shares
 from elastic.runtime.state import RuntimeState
 
-from . import snapshot
+from . import live, snapshot
 
 FORMAT = "regatta-dataparallel/1"
 
@@ -44,6 +50,8 @@ class TrainState(RuntimeState):
         self._checkpoint_path = checkpoint_path
         self._commit: snapshot.Commit | None = None
         self._stale = False              # after a failure: live tensors are not at self.step
+        self._live = False               # the live tensors hold the job's state at self.step
+        self.forward_buffers = live.BufferStash(self.model)   # a failed step's writes, undone
         self._placement: tuple | None = None    # (World, buddies) of the last sync
         self._writer = CheckpointWriter()
         self._checkpointed_step: int | None = None
@@ -66,6 +74,7 @@ class TrainState(RuntimeState):
         self.step, self.cursor = tree["step"], Cursor(tree["epoch"], tree["consumed"])
         self.optimizer.zero_grad(set_to_none=True)
         self._stale = False
+        self._live = True
 
     @property
     def _current(self) -> bool:
@@ -95,8 +104,18 @@ class TrainState(RuntimeState):
         return [pieces[r] for r in kept_by(self._placement[1], world.rank)]
 
     def restore_committed(self) -> None:
-        """The local half of a restore: the last commit's step and cursor. Its bytes are
-        spread over the ranks, so they come back in ``sync_state``, after the reset."""
+        """The local half of a restore. A live state stays as it is (the failed step's
+        buffer writes undone): ``sync_state`` agrees on it with the other survivors. Else
+        the last commit's step and cursor; its bytes are spread over the ranks, so they
+        come back in ``sync_state``, after the reset."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.forward_buffers.put_back()
+        if self._live and self.runtime.cfg.recover_from == "live":
+            return
+        self._roll_back()
+
+    def _roll_back(self) -> None:
+        self._live = False
         if self._commit is None:
             return
         committed = self._commit.skeleton
@@ -109,18 +128,56 @@ class TrainState(RuntimeState):
 
     def sync_state(self) -> dict:
         world = self.runtime.world
-        mine = {"host": world.host, "current": self._current,
+        mine = {"host": world.host, "current": self._current, "live": self._live_summary(),
                 "commit": None if self._commit is None else self._commit.summary()}
         inventory = self.runtime.collectives.allgather_object(mine, "regatta.dp.inventory")
         self._placement = (world, buddies([i["host"] for i in inventory]))
-        items = [{"rank": r, **i["commit"]} for r, i in enumerate(inventory) if i["commit"]]
-        step = covering_step(items)
-        if step is not None:
-            detail = self._from_memory(items, step, inventory)
+        plan = live.choose([i["live"] for i in inventory])
+        if plan is not None:
+            detail = self._from_live(plan)
         else:
-            detail = self._from_root(items)
+            items = [{"rank": r, **i["commit"]} for r, i in enumerate(inventory) if i["commit"]]
+            step = covering_step(items)
+            if step is not None:
+                detail = self._from_memory(items, step, inventory)
+            else:
+                detail = self._from_root(items)
+        self._live = True
         self.save()
         return detail
+
+    def _live_summary(self) -> dict | None:
+        if not self._live or self.runtime.cfg.recover_from != "live":
+            return None
+        digest = tree_digest(self.live()) if self.runtime.env.audit else None
+        return live.summary(self.step, self.cursor.epoch, self.cursor.consumed,
+                            Flat.of(self.live()).total, digest)
+
+    def _from_live(self, plan: live.LivePlan) -> dict:
+        """The winning live state on every rank that lacks it, striped over the ranks
+        that hold it; nothing moves when every rank holds it already."""
+        rank, hvd = self.runtime.world.rank, self.runtime.hvd
+        detail = {"source": "live", "recovery": plan.kind, "from_step": plan.step,
+                  "senders": list(plan.sources), "behind": list(plan.behind),
+                  "disagreeing": list(plan.disagreeing), "moved_bytes": 0}
+        if not plan.needs:
+            return detail
+        flat = Flat.of(self.live()) if rank in plan.sources else None
+        skeleton, total = self.runtime.collectives.broadcast_object(
+            (flat.skeleton, flat.total) if rank == plan.sources[0] else None, "regatta.dp.skeleton",
+            root=plan.sources[0])
+        parts = [Part(owner=owner, start=start, end=end, held=(start, end))
+                 for owner, (start, end) in zip(plan.sources, shares(total, len(plan.sources)))
+                 if end > start]
+        target = None
+        if rank in plan.needs:
+            self._live = False     # a transfer cut short leaves these tensors half written
+            target = self._target(skeleton)
+        snapshot.gather(parts, rank, hvd, lambda part, start, end, out: flat.read(start, end, out),
+                        target)
+        if target is not None:
+            self._load(target.tree())
+        return {**detail, "moved_bytes": total}
 
     def _from_memory(self, items: list[dict], step: int, inventory: list[dict]) -> dict:
         """Reassemble commit ``step`` on the ranks whose live state is not already it."""
@@ -136,11 +193,13 @@ class TrainState(RuntimeState):
         skeleton = self.runtime.collectives.broadcast_object(
             mine.skeleton if rank == root else None, "regatta.dp.skeleton", root=root)
         target = self._target(skeleton) if needs[rank] else None
+        if target is not None:
+            self._live = False
         snapshot.gather(parts, rank, hvd, lambda part, start, end, _: mine.piece(part.held, start, end),
                         target)
         if target is not None:
             self._load(target.tree())
-        return {**detail, "moved_bytes": parts[-1].end if parts else 0}
+        return {**detail, "recovery": "restored_commit", "moved_bytes": parts[-1].end if parts else 0}
 
     def _from_root(self, items: list[dict]) -> dict:
         """Rank 0's live state everywhere: a fresh start, or after reloading the durable
@@ -159,11 +218,14 @@ class TrainState(RuntimeState):
             raise checkpoint.CheckpointError(error)
         parts = [Part(owner=0, start=0, end=total, held=(0, total))]
         target = self._target(skeleton) if rank != 0 else None
+        if target is not None:
+            self._live = False
         snapshot.gather(parts, rank, hvd, lambda part, start, end, out: flat.read(start, end, out),
                         target)
         if target is not None:
             self._load(target.tree())
-        return {"source": "checkpoint" if lost else "root", "from_step": self.step, "moved_bytes": total}
+        return {"source": "checkpoint" if lost else "root", "from_step": self.step, "moved_bytes": total,
+                **({"recovery": "restored_checkpoint"} if lost else {})}
 
     def _target(self, skeleton) -> Flat:
         """Where a state with ``skeleton`` is received: straight into the live tensors when

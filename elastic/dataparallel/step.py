@@ -50,6 +50,7 @@ def train_step(state, kit: StepKit, pending: Pending, runtime) -> tuple[StepRow,
     micro, next_cursor = kit.plan.step(state.cursor)
     # Dropout and other randomness replay identically after a restore.
     seed_step(cfg.seed, state.step, world.rank)
+    state.forward_buffers.keep()   # a failed step's forward must not have moved them (live.py)
     model.train()
     optimizer.zero_grad(set_to_none=True)
     autocast = torch.autocast(kit.device.type, AUTOCAST[cfg.autocast]) if cfg.autocast else nullcontext()
@@ -85,6 +86,7 @@ def train_step(state, kit: StepKit, pending: Pending, runtime) -> tuple[StepRow,
         scheduler.step()
     state.cursor = next_cursor
     state.step += 1
+    state.forward_buffers.applied()
     agreed = reduced.agreed
     wait = agreed.wait_s(world.rank)   # in the reduction, waiting for the last rank
     return StepRow(step_time=time.perf_counter() - started, data_time=data_time,

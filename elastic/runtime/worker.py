@@ -290,8 +290,14 @@ class Runtime:
                            rank_before=self.world.rank)
 
     def synced(self, state, cost: float, detail: dict | None = None) -> None:
+        detail = detail or {}
         self.events.record("sync", state.step, cost_s=cost, size=self.world.size,
-                           **(detail or {}), **self.audit(state))
+                           **detail, **self.audit(state))
+        if detail.get("recovery") and self.entries:   # which state a re-forming went on from
+            failed_at = state.restored_from
+            self.events.record(detail["recovery"], state.step, cost_s=cost, size=self.world.size,
+                               moved_bytes=detail.get("moved_bytes", 0), from_step=failed_at,
+                               steps_redone=0 if failed_at is None else max(0, failed_at - state.step))
 
     # -- the end -------------------------------------------------------------------------
     def finish(self, state) -> dict:

@@ -289,10 +289,19 @@
       name: "stage " + s.stage, x: s.step, y: s.bubble})), lay);
   }
 
+  // Which state the re-formed world trained on, and what it moved to get there.
+  const PATHS = {recovered_live: "live state", adopted: "live state (some ranks behind)",
+                 restored_commit: "commit", restored_checkpoint: "checkpoint"};
+  function wentOnFrom(r) {
+    if (!r.recovered_from) return "–";
+    const moved = r.moved_bytes ? `, ${R.fmt.num(r.moved_bytes)}B moved` : ", nothing moved";
+    return (PATHS[r.recovered_from] || r.recovered_from) + moved;
+  }
+
   function renderRecoveries() {
     const body = document.querySelector("#recoveries tbody");
     if (!d.recoveries.length) {
-      body.replaceChildren(R.el("tr", {}, R.el("td", {colspan: 11, class: "muted"},
+      body.replaceChildren(R.el("tr", {}, R.el("td", {colspan: 12, class: "muted"},
         "No failures or host changes recorded.")));
     } else {
       body.replaceChildren(...d.recoveries.map((r) => R.el("tr", {class: "recovery " + r.kind},
@@ -303,6 +312,7 @@
         ...["detected_s", "reset_done_s", "state_synced_s", "first_step_done_s"].map(
           (k) => R.el("td", {class: "num"}, R.fmt.secs(r[k]))),
         R.el("td", {class: "num"}, r.steps_redone),
+        R.el("td", {class: "went-on-from"}, wentOnFrom(r)),
         R.el("td", {class: "num"}, r.size_before ? `${r.size_before} → ${r.size_after}` : "–"))));
     }
     const counts = new Map();
