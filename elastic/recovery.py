@@ -130,9 +130,10 @@ class FastRecovery:
         self.state = state
         path = self._handoff.path if self._handoff is not None else None
         if path and path.exists() and hasattr(state, "load_handoff"):
-            state.load_handoff(path)
+            live = restart.live_handoff_path(path)
+            state.load_handoff(path, live if live.exists() else None)
             self.entered = True          # it holds the job's state, as its predecessor did
-            self.events.record("handoff_loaded", state.step, path=str(path))
+            self.events.record("handoff_loaded", state.step, path=str(path), live=live.exists())
 
     def initialised(self) -> None:
         """Call once ``hvd.init`` has returned, before the sync changes the commit: the
@@ -338,6 +339,7 @@ class FastRecovery:
         placed = restart.assigned()
         self._handoff.describe(restart.current_slot(), placed=placed)
         written = self._handoff.written()
+        live = self._hand_over_live()
         if placed:
             # The rest of the rendezvous under way would wait out Gloo's 30 s for this rank
             # (seen: 150 s of such waits in a row); marked, they are replaced at once too.
@@ -349,8 +351,17 @@ class FastRecovery:
             # their watch of a rendezvous this rank's replacement is not slow to join.
             lifeline.close(goodbye=True)
         self.events.record("restart_in_place", self.heartbeat.step, reason=reason, handoff=written,
-                           marked=placed)
+                           live=live, marked=placed)
         leave_now(self.events, restart.RESTART_EXIT)
+
+    def _hand_over_live(self) -> bool:
+        """While the world re-forms, no step is under way and the live state is whole
+        (a failed step applied nothing): handed over, the replacement goes on from it as
+        the other survivors do, instead of rolling back to the commit (whose shares may
+        have died with the failure). A step stuck in Gloo hands over its commit only."""
+        if not (self._forming and self.entered and hasattr(self.state, "write_live_handoff")):
+            return False
+        return self.state.write_live_handoff(restart.live_handoff_path(self._handoff.path))
 
     def _take_place(self) -> None:
         """A replacement: this slot's place in the world now forming, or leave."""

@@ -182,9 +182,15 @@ def describe_handoff(path: Path, slot: int, placed: bool = False, step: int | No
     replace_text(f"{path}.json", json.dumps({"slot": slot, "placed": placed, "step": step}))
 
 
+def live_handoff_path(path: Path) -> Path:
+    """Beside hand-off ``path``: the live state of a worker that left between steps."""
+    return Path(path).with_name(Path(path).stem + "-live.pt")
+
+
 def handoff_files(path: Path) -> list[Path]:
-    """The commit and its description (what a replacement or a clean-up removes)."""
-    return [Path(path), Path(f"{path}.json")]
+    """The commit, the live state and the description (what a replacement or a clean-up
+    removes)."""
+    return [Path(path), live_handoff_path(path), Path(f"{path}.json")]
 
 
 def handoff_out(path: Path) -> bool:

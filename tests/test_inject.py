@@ -5,6 +5,8 @@ import subprocess
 import sys
 import time
 
+import psutil
+
 from elastic.launch.inject import Injector, Workers, thread_states
 from elastic.launch.plan import fault
 from elastic.runtime.events import EventLog
@@ -111,3 +113,24 @@ def test_the_launcher_records_when_a_killed_process_has_exited(tmp_path):
     finally:
         victim.kill()
         victim.wait()
+
+
+def test_a_stopped_process_is_continued_once_when_the_job_ends_before_its_time(tmp_path):
+    """A stop of 60 s in a job that ends after 1: the injector's stop continues the
+    process (recorded), once however often it is stopped (the launcher stops it twice)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        injector = Injector([fault("stop", "a", 5, seconds=60)], SlowToFind({"a": proc}, 0), None,
+                            EventLog(tmp_path, "launcher", 0))
+        injector.reached(5, 0.001)
+        deadline = time.monotonic() + 10
+        while not injector.struck and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED
+        injector.stop()
+        assert psutil.Process(proc.pid).status() != psutil.STATUS_STOPPED
+        injector.stop()
+        assert [e["fault"] for e in injector.struck] == ["stop", "cont"]
+    finally:
+        proc.kill()
+        proc.wait()

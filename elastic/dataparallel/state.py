@@ -24,6 +24,7 @@ GradScaler, the user's own), plus the step and the sampler cursor.
 """
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import torch
@@ -38,6 +39,8 @@ from elastic.runtime.state import RuntimeState
 from . import live, snapshot
 
 FORMAT = "regatta-dataparallel/1"
+LIVE_HANDOFF_FORMAT = "regatta-dataparallel-live/1"
+HANDOFF_LOCK_S = 1.0     # a sync writing the live tensors this long: hand over the commit only
 
 
 class TrainState(RuntimeState):
@@ -51,6 +54,7 @@ class TrainState(RuntimeState):
         self._commit: snapshot.Commit | None = None
         self._stale = False              # after a failure: live tensors are not at self.step
         self._live = False               # the live tensors hold the job's state at self.step
+        self._receiving = threading.Lock()   # held while a sync writes the live tensors
         self.forward_buffers = live.BufferStash(self.model)   # a failed step's writes, undone
         self._placement: tuple | None = None    # (World, buddies) of the last sync
         self._writer = CheckpointWriter()
@@ -169,14 +173,15 @@ class TrainState(RuntimeState):
         parts = [Part(owner=owner, start=start, end=end, held=(start, end))
                  for owner, (start, end) in zip(plan.sources, shares(total, len(plan.sources)))
                  if end > start]
-        target = None
-        if rank in plan.needs:
-            self._live = False     # a transfer cut short leaves these tensors half written
-            target = self._target(skeleton)
-        snapshot.gather(parts, rank, hvd, lambda part, start, end, out: flat.read(start, end, out),
-                        target)
-        if target is not None:
-            self._load(target.tree())
+        with self._receiving:
+            target = None
+            if rank in plan.needs:
+                self._live = False     # a transfer cut short leaves these tensors half written
+                target = self._target(skeleton)
+            snapshot.gather(parts, rank, hvd, lambda part, start, end, out: flat.read(start, end, out),
+                            target)
+            if target is not None:
+                self._load(target.tree())
         return {**detail, "moved_bytes": total}
 
     def _from_memory(self, items: list[dict], step: int, inventory: list[dict]) -> dict:
@@ -192,13 +197,14 @@ class TrainState(RuntimeState):
         mine = self._commit if self._commit is not None and self._commit.step == step else None
         skeleton = self.runtime.collectives.broadcast_object(
             mine.skeleton if rank == root else None, "regatta.dp.skeleton", root=root)
-        target = self._target(skeleton) if needs[rank] else None
-        if target is not None:
-            self._live = False
-        snapshot.gather(parts, rank, hvd, lambda part, start, end, _: mine.piece(part.held, start, end),
-                        target)
-        if target is not None:
-            self._load(target.tree())
+        with self._receiving:
+            target = self._target(skeleton) if needs[rank] else None
+            if target is not None:
+                self._live = False
+            snapshot.gather(parts, rank, hvd, lambda part, start, end, _: mine.piece(part.held, start, end),
+                            target)
+            if target is not None:
+                self._load(target.tree())
         return {**detail, "recovery": "restored_commit", "moved_bytes": parts[-1].end if parts else 0}
 
     def _from_root(self, items: list[dict]) -> dict:
@@ -217,13 +223,14 @@ class TrainState(RuntimeState):
         if error:
             raise checkpoint.CheckpointError(error)
         parts = [Part(owner=0, start=0, end=total, held=(0, total))]
-        target = self._target(skeleton) if rank != 0 else None
-        if target is not None:
-            self._live = False
-        snapshot.gather(parts, rank, hvd, lambda part, start, end, out: flat.read(start, end, out),
-                        target)
-        if target is not None:
-            self._load(target.tree())
+        with self._receiving:
+            target = self._target(skeleton) if rank != 0 else None
+            if target is not None:
+                self._live = False
+            snapshot.gather(parts, rank, hvd, lambda part, start, end, out: flat.read(start, end, out),
+                            target)
+            if target is not None:
+                self._load(target.tree())
         return {"source": "checkpoint" if lost else "root", "from_step": self.step, "moved_bytes": total,
                 **({"recovery": "restored_checkpoint"} if lost else {})}
 
@@ -278,10 +285,28 @@ class TrainState(RuntimeState):
         if self._commit is not None:
             snapshot.save_commit(self._commit, Path(path))
 
-    def load_handoff(self, path: Path) -> None:
+    def write_live_handoff(self, path: Path) -> bool:
+        """The live state, for the worker that replaces this one in place, where it is
+        whole: not while a sync writes into it (or within HANDOFF_LOCK_S of waiting for
+        one stuck on a dead peer), not after a roll-back. Whether it was written."""
+        if not self._receiving.acquire(timeout=HANDOFF_LOCK_S):
+            return False
+        try:
+            if self._live_summary() is None:
+                return False
+            checkpoint.save_atomic({"format": LIVE_HANDOFF_FORMAT, **self.live()}, Path(path))
+            return True
+        finally:
+            self._receiving.release()
+
+    def load_handoff(self, path: Path, live: Path | None = None) -> None:
         """A predecessor's part of the commit: held as this rank's own, so the sync after
-        the reset can take its bytes from here."""
+        the reset can take its bytes from here; and its live state where it left one, to
+        go on from as the survivors do."""
         self._commit = snapshot.load_commit(Path(path))
+        saved = checkpoint.load(Path(live), expect=LIVE_HANDOFF_FORMAT) if live is not None else None
+        if saved is not None:
+            self._load(saved)
         self.restore_committed()
 
     def audit_hash(self) -> dict | None:

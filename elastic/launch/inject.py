@@ -127,6 +127,8 @@ class Injector:
         self.rng = random.Random(seed)
         self.timers: list[threading.Timer] = []
         self.struck: list[dict] = []
+        self._undos: list = []          # a link to heal, a process to continue: once each
+        self._undo_lock = threading.Lock()
 
     def reached(self, step: int, step_time: float) -> None:
         while self.pending and step >= self.pending[0]["step"]:
@@ -150,6 +152,20 @@ class Injector:
         self.timers.append(timer)
         timer.start()
 
+    def _undo_later(self, seconds: float, action, *args) -> None:
+        """``action`` undoes a fault: it runs after ``seconds``, or at :meth:`stop` if the
+        job ends sooner, and once only either way."""
+        done = []
+
+        def once() -> None:
+            with self._undo_lock:
+                if done:
+                    return
+                done.append(True)
+            action(*args)
+        self._undos.append(once)
+        self._later(seconds, once)
+
     def _strike(self, fault: dict, step: int) -> None:
         kind, host = fault["fault"], fault["host"]
         if kind in ("sigkill", "stop"):
@@ -161,12 +177,12 @@ class Injector:
             if not targets:
                 self._missed(name, host, fault["slot"], None, step)
             if kind == "stop":
-                self._later(fault["seconds"], self._resume, targets, host, step)
+                self._undo_later(fault["seconds"], self._resume, targets, host, step)
         else:
             self.network.link(host, up=False)
             self._record(kind, host, None, None, step, seconds=fault["seconds"])
             if kind == "partition":
-                self._later(fault["seconds"], self._heal, host, step)
+                self._undo_later(fault["seconds"], self._heal, host, step)
 
     def _signal(self, pid: int, sig: int, name: str, host: str, slot: int, step: int) -> None:
         # Stamped before the signal: this thread may be descheduled right after it, while
@@ -224,5 +240,9 @@ class Injector:
         self.struck.append(event)
 
     def stop(self) -> None:
+        """No fault strikes any more; the ones struck are undone now (a healed link, a
+        continued process, recorded as such) where the job ended before their time."""
         for timer in self.timers:
             timer.cancel()
+        for undo in self._undos:
+            undo()

@@ -138,7 +138,8 @@ class ElasticPipeline(RuntimeState):
                             "costs": asdict(self.costs) if self.costs else None,
                             "last_plan": self.last_plan}, Path(path))
 
-    def load_handoff(self, path: Path) -> None:
+    def load_handoff(self, path: Path, live: Path | None = None) -> None:
+        """``live``: never given (a stage hands over no live state, only its commit)."""
         saved = saving.load(path, expect=HANDOFF_FORMAT)
         if saved is None:
             raise saving.CheckpointError(f"no hand-over at {path}")

@@ -18,9 +18,11 @@ the engine, which implements:
     audit_hash()           digests of the state (REGATTA_AUDIT=1 records them): a string
                            (the model's) or a dict of named digests
     leave_world()          optional: release what belongs to this world before a reset
-    write_handoff(path)    optional: this rank's commit to a file, and load_handoff(path)
-                           to take it up; with them a rank stuck while the world re-forms
-                           is replaced in place with its commit (elastic/recovery.py)
+    write_handoff(path)    optional: this rank's commit to a file, and load_handoff(path,
+                           live) to take it up; with them a rank stuck while the world
+                           re-forms is replaced in place with its commit (elastic/recovery.py)
+    write_live_handoff(path)  optional: the live state too, where it is whole (a bool);
+                           load_handoff then gets its path as ``live``
 
 Host updates use two public seams of Horovod's ``State``: ``on_hosts_updated`` (the
 listener the notification manager calls) and ``check_host_updates``, overridden to return
