@@ -82,6 +82,25 @@ def test_flat_ranges_round_trip_bit_for_bit():
     assert tree_digest(fresh.tree()) != tree_digest(tree)
 
 
+def test_views_of_a_range_are_the_tensors_own_bytes_at_their_offsets():
+    """What a transfer broadcasts in place: slices cut at tensor boundaries, each one a
+    view (writing it writes the tensor), covering the range exactly."""
+    tree = state_tree()
+    flat, fresh = Flat.of(tree), Flat.empty(Flat.of(tree).skeleton)
+    rng = random.Random(1)
+    for _ in range(30):
+        start = rng.randrange(flat.total)
+        end = rng.randrange(start + 1, flat.total + 1)
+        views = flat.views(start, end)
+        assert views[0][0] == start and sum(v.numel() for _, v in views) == end - start
+        assert all(a + v.numel() == b for (a, v), (b, _) in zip(views, views[1:]))
+        expected = flat.read(start, end, torch.empty(end - start, dtype=torch.uint8))
+        assert torch.equal(torch.cat([v for _, v in views]), expected)
+    for (offset, theirs), (_, mine) in zip(flat.views(0, flat.total), fresh.views(0, flat.total)):
+        mine.copy_(theirs)
+    assert tree_digest(fresh.tree()) == tree_digest(tree)
+
+
 @pytest.mark.parametrize("size", [2, 3, 4])
 def test_any_covering_set_of_commit_shares_rebuilds_the_state(size):
     tree = state_tree()

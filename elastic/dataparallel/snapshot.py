@@ -81,6 +81,27 @@ def gather(parts: list[Part], rank: int, hvd, provide: Callable[[Part, int, int,
                 target.write(start, data)
 
 
+def spread(parts: list[Part], here: Flat, rank: int, hvd,
+           provide: Callable[[Part, int, int], torch.Tensor] | None = None) -> None:
+    """Every part from its owner to every rank, in place: on each rank ``here`` has the
+    state's layout (a holder's live tensors, a receiver's the tensors it receives into),
+    so no byte is copied on a receiver. ``provide(part, start, end)``: the owner's bytes
+    when its live tensors are not the state sent (a commit's held share); they are put
+    in ``here`` first. One asynchronous broadcast per tensor slice, all in flight at
+    once, as Horovod's own broadcast of parameters does (it fuses the small ones): one
+    synchronous 64 MiB chunk after another took 4x as long (bench_state, 10M x Adam).
+    Host tensors only: a Horovod without GPU operations broadcasts no CUDA tensor."""
+    handles = []
+    for part in parts:
+        for offset, view in here.views(part.start, part.end):
+            if provide is not None and rank == part.owner:
+                view.copy_(provide(part, offset, offset + view.numel()))
+            handles.append(hvd.broadcast_async_(view, root_rank=part.owner,
+                                                name=f"regatta.dp.spread.{offset}"))
+    for handle in handles:
+        hvd.synchronize(handle)
+
+
 HANDOFF_FORMAT = "regatta-dataparallel-handoff/1"
 _SLOT = "__tensor_slot__"
 

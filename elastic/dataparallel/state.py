@@ -160,16 +160,16 @@ class TrainState(RuntimeState):
     def _from_live(self, plan: live.LivePlan) -> dict:
         """The winning live state on every rank that lacks it, striped over the ranks
         that hold it; nothing moves when every rank holds it already."""
-        rank, hvd = self.runtime.world.rank, self.runtime.hvd
+        rank = self.runtime.world.rank
         detail = {"source": "live", "recovery": plan.kind, "from_step": plan.step,
                   "senders": list(plan.sources), "behind": list(plan.behind),
                   "disagreeing": list(plan.disagreeing), "moved_bytes": 0}
         if not plan.needs:
             return detail
         flat = Flat.of(self.live()) if rank in plan.sources else None
-        skeleton, total = self.runtime.collectives.broadcast_object(
-            (flat.skeleton, flat.total) if rank == plan.sources[0] else None, "regatta.dp.skeleton",
-            root=plan.sources[0])
+        skeleton, total, on_cuda = self.runtime.collectives.broadcast_object(
+            (flat.skeleton, flat.total, flat.on_cuda) if rank == plan.sources[0] else None,
+            "regatta.dp.skeleton", root=plan.sources[0])
         parts = [Part(owner=owner, start=start, end=end, held=(start, end))
                  for owner, (start, end) in zip(plan.sources, shares(total, len(plan.sources)))
                  if end > start]
@@ -178,11 +178,21 @@ class TrainState(RuntimeState):
             if rank in plan.needs:
                 self._live = False     # a transfer cut short leaves these tensors half written
                 target = self._target(skeleton)
-            snapshot.gather(parts, rank, hvd, lambda part, start, end, out: flat.read(start, end, out),
-                            target)
+            self._transfer(parts, flat, target, on_cuda)
             if target is not None:
                 self._load(target.tree())
         return {**detail, "moved_bytes": total}
+
+    def _transfer(self, parts: list[Part], flat: Flat | None, target: Flat | None, on_cuda: bool) -> None:
+        """Live bytes from each part's owner (``flat``: this rank's live state where it
+        holds the state sent) into ``target`` where this rank receives: in place on host
+        tensors; through a (pinned) host buffer for a CUDA state."""
+        rank, hvd = self.runtime.world.rank, self.runtime.hvd
+        if on_cuda:
+            snapshot.gather(parts, rank, hvd, lambda part, start, end, out: flat.read(start, end, out),
+                            target)
+        else:
+            snapshot.spread(parts, target if target is not None else flat, rank, hvd)
 
     def _from_memory(self, items: list[dict], step: int, inventory: list[dict]) -> dict:
         """Reassemble commit ``step`` on the ranks whose live state is not already it."""
@@ -195,14 +205,19 @@ class TrainState(RuntimeState):
             return {**detail, "moved_bytes": 0}
         root = min(i["rank"] for i in items if i["step"] == step)
         mine = self._commit if self._commit is not None and self._commit.step == step else None
-        skeleton = self.runtime.collectives.broadcast_object(
-            mine.skeleton if rank == root else None, "regatta.dp.skeleton", root=root)
+        skeleton, on_cuda = self.runtime.collectives.broadcast_object(
+            (mine.skeleton, Flat.of(self.live()).on_cuda) if rank == root else None,
+            "regatta.dp.skeleton", root=root)
         with self._receiving:
             target = self._target(skeleton) if needs[rank] else None
             if target is not None:
                 self._live = False
-            snapshot.gather(parts, rank, hvd, lambda part, start, end, _: mine.piece(part.held, start, end),
-                            target)
+            if on_cuda:
+                snapshot.gather(parts, rank, hvd, lambda part, start, end, _: mine.piece(part.held, start, end),
+                                target)
+            else:   # a rank not receiving holds the commit live: its tensors take the bytes
+                here = target if target is not None else Flat.of(self.live())
+                snapshot.spread(parts, here, rank, hvd, lambda part, start, end: mine.piece(part.held, start, end))
             if target is not None:
                 self._load(target.tree())
         return {**detail, "recovery": "restored_commit", "moved_bytes": parts[-1].end if parts else 0}
@@ -210,7 +225,7 @@ class TrainState(RuntimeState):
     def _from_root(self, items: list[dict]) -> dict:
         """Rank 0's live state everywhere: a fresh start, or after reloading the durable
         checkpoint when the commits held among the ranks left have a gap."""
-        rank, hvd = self.runtime.world.rank, self.runtime.hvd
+        rank = self.runtime.world.rank
         lost = bool(items)
         if lost:
             held = sorted({i["step"] for i in items})
@@ -218,8 +233,8 @@ class TrainState(RuntimeState):
             self._commit = None      # its step is about to go back to the checkpoint's
         error = self._reload_checkpoint(held) if lost and rank == 0 else None
         flat = Flat.of(self.live()) if rank == 0 else None
-        skeleton, total, error = self.runtime.collectives.broadcast_object(
-            (flat.skeleton, flat.total, error) if rank == 0 else None, "regatta.dp.skeleton")
+        skeleton, total, on_cuda, error = self.runtime.collectives.broadcast_object(
+            (flat.skeleton, flat.total, flat.on_cuda, error) if rank == 0 else None, "regatta.dp.skeleton")
         if error:
             raise checkpoint.CheckpointError(error)
         parts = [Part(owner=0, start=0, end=total, held=(0, total))]
@@ -227,8 +242,7 @@ class TrainState(RuntimeState):
             target = self._target(skeleton) if rank != 0 else None
             if target is not None:
                 self._live = False
-            snapshot.gather(parts, rank, hvd, lambda part, start, end, out: flat.read(start, end, out),
-                            target)
+            self._transfer(parts, flat, target, on_cuda)
             if target is not None:
                 self._load(target.tree())
         return {"source": "checkpoint" if lost else "root", "from_step": self.step, "moved_bytes": total,

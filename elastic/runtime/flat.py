@@ -90,12 +90,22 @@ class Flat:
 
     def _overlapping(self, start: int, end: int):
         """(tensor bytes, lo, hi, position in [start, end)) of every slot in the range."""
+        for i, (data, lo, hi) in self._overlapping_indexed(start, end):
+            yield data, lo, hi, self.slots[i].offset + lo - start
+
+    def views(self, start: int, end: int) -> list[tuple[int, torch.Tensor]]:
+        """(offset, uint8 view of these tensors' own bytes) covering ``[start, end)``:
+        what a transfer reads from or writes into without a copy."""
+        return [(self.slots[i].offset + lo, data[lo:hi])
+                for i, (data, lo, hi) in self._overlapping_indexed(start, end)]
+
+    def _overlapping_indexed(self, start: int, end: int):
         i = max(0, bisect.bisect_right(self._starts, start) - 1)
         while i < len(self.slots) and self.slots[i].offset < end:
             s = self.slots[i]
             lo, hi = max(start, s.offset), min(end, s.offset + s.nbytes)
             if lo < hi:
-                yield _bytes_of(self.tensors[i]), lo - s.offset, hi - s.offset, lo - start
+                yield i, (_bytes_of(self.tensors[i]), lo - s.offset, hi - s.offset)
             i += 1
 
     def read(self, start: int, end: int, out: torch.Tensor) -> torch.Tensor:
