@@ -1,0 +1,111 @@
+"""Does a failure cost more as the model grows? A SIGKILL at a random instant of a step,
+at 10M and 100M parameters x Adam, Regatta going on from the survivors' live state and
+the same runtime going back to the commit (``train.recover_from=commit``), side by side.
+
+    .venv/bin/python bench/bench_recovery_scale.py [--sizes 10M,100M] [--repeats 5]
+
+Each run is ``regatta local`` on 3 simulated hosts (one process each, real horovodrun)
+training bench/mlp.py's MLP (7 square layers of ``width``, Adam, global batch 24, a
+commit every 10 steps, no durable checkpoint); host 2's worker is SIGKILLed from outside
+at a random instant within two step times of step ``--kill-at``; the arms alternate run
+by run so that load drifts hit them alike. Per run: seconds from the kill to the first
+step done on the 2 survivors (the launcher's report, as the dashboard measures it), steps
+redone, and the bytes the survivors' sync moved (the most any survivor received or sent).
+Printed per size and arm: p50 / p95 / max, and the ratios of the p50s, commit / live and
+each size's live p50 over the smallest size's.
+
+100M x Adam is 1.2 GB of state per rank, about 4 GB of memory per rank with gradients
+and commit: three ranks need 12 GB free. 300M (``--sizes 300M``) needs about 30 GB.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.bench_state import parse_size   # noqa: E402
+from bench.percentiles import percentile  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+REGATTA = str(Path(sys.executable).parent / "regatta")
+LAYERS, INPUTS, CLASSES = 7, 512, 16
+ARMS = {"live": [], "commit": ["--set", "train.recover_from=commit"]}
+
+
+def width_for(params: int) -> int:
+    """The MLP width whose parameter count is nearest ``params``."""
+    return max(8, round(math.sqrt(params / (LAYERS - 1))))
+
+
+def parameters(width: int) -> int:
+    return (INPUTS + 1) * width + (LAYERS - 1) * (width + 1) * width + (width + 1) * CLASSES
+
+
+def measure(width: int, arm: str, seed: int, kill_at: int, workdir: Path) -> dict:
+    name = f"w{width}-{arm}-{seed}"
+    run_dir, report_path = workdir / name, workdir / f"{name}.json"
+    cmd = [REGATTA, "local", "mlp", "--module", "bench.mlp", "--hosts", "3",
+           "--steps", str(kill_at + 20), "--sigkill", f"2@{kill_at}", "--commit-every", "10",
+           "--seed", str(seed), "--timeout", "900", "--run-dir", str(run_dir),
+           "--report", str(report_path), "--", "--no-progress", "--db", str(workdir / "bench.db"),
+           "--set", f"model.width={width}", "--set", "train.optimizer=adam",
+           "--set", "train.global_batch=24", "--set", "train.checkpoint_every=0",
+           "--set", "train.eval_every=0", *ARMS[arm]]
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=1000)
+    report = json.loads(report_path.read_text())
+    (change,) = [c for c in report["changes"] if c["kind"] == "failure"]
+    syncs = [e for e in report["events"] if e["kind"] == "sync" and e["wall_time"] > change["wall_time"]
+             and e.get("size") == 2]
+    return {"seconds": change["first_step_done_s"], "steps_redone": change["steps_redone"],
+            "moved_bytes": max((e.get("moved_bytes", 0) for e in syncs), default=None),
+            "source": sorted({e.get("source") for e in syncs})}
+
+
+def spread(values: list[float]) -> str:
+    return (f"p50 {percentile(values, 0.5):7.3f}  p95 {percentile(values, 0.95):7.3f}  "
+            f"max {max(values):7.3f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="10M,100M")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--kill-at", type=int, default=25, help="the step the kill comes after")
+    args = parser.parse_args()
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    results = {(size, arm): [] for size in sizes for arm in ARMS}
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in sizes:
+            width = width_for(size)
+            print(f"== {parameters(width) / 1e6:.1f}M parameters (width {width}) x Adam, 3 hosts, "
+                  f"one SIGKILLed after step {args.kill_at} ==", flush=True)
+            for repeat in range(args.repeats):
+                arms = list(ARMS) if repeat % 2 == 0 else list(reversed(ARMS))
+                for arm in arms:
+                    row = measure(width, arm, repeat, args.kill_at, Path(tmp))
+                    results[size, arm].append(row)
+                    moved = "?" if row["moved_bytes"] is None else f"{row['moved_bytes'] / 2**20:.1f} MiB"
+                    print(f"  run {repeat + 1} {arm:6s} {row['seconds']:7.3f} s  steps redone "
+                          f"{row['steps_redone']}  moved {moved}  from {'/'.join(map(str, row['source']))}",
+                          flush=True)
+    print()
+    base = None
+    for size in sizes:
+        live = [r["seconds"] for r in results[size, "live"]]
+        commit = [r["seconds"] for r in results[size, "commit"]]
+        base = base or percentile(live, 0.5)
+        print(f"{size / 1e6:5.0f}M  live   {spread(live)}  redone max "
+              f"{max(r['steps_redone'] for r in results[size, 'live'])}")
+        print(f"{size / 1e6:5.0f}M  commit {spread(commit)}  redone max "
+              f"{max(r['steps_redone'] for r in results[size, 'commit'])}")
+        print(f"{size / 1e6:5.0f}M  p50 commit / live {percentile(commit, 0.5) / percentile(live, 0.5):.2f}x, "
+              f"live p50 / smallest size's {percentile(live, 0.5) / base:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
