@@ -173,30 +173,34 @@ class TrainState(RuntimeState):
         parts = [Part(owner=owner, start=start, end=end, held=(start, end))
                  for owner, (start, end) in zip(plan.sources, shares(total, len(plan.sources)))
                  if end > start]
-        with self._receiving:
-            target = None
-            if rank in plan.needs:
-                self._live = False     # a transfer cut short leaves these tensors half written
-                target = self._target(skeleton)
-            self._transfer(parts, flat, target, on_cuda)
-            if target is not None:
-                self._load(target.tree())
+        self._receive(parts, skeleton, rank in plan.needs, flat, on_cuda)
         return {**detail, "moved_bytes": total}
 
-    def _transfer(self, parts: list[Part], flat: Flat | None, target: Flat | None, on_cuda: bool) -> None:
-        """Live bytes from each part's owner (``flat``: this rank's live state where it
-        holds the state sent) into ``target`` where this rank receives: in place on host
-        tensors; through a (pinned) host buffer for a CUDA state."""
+    def _receive(self, parts: list[Part], skeleton, receives: bool, holder: Flat | None,
+                 on_cuda: bool, held: snapshot.Commit | None = None) -> None:
+        """Each part from its owner, into this rank's live state where it ``receives``.
+        ``holder``: this rank's live state where it holds the state sent; ``held``: the
+        commit whose shares the owners send instead. In place on host tensors; through a
+        (pinned) host buffer for a CUDA state."""
         rank, hvd = self.runtime.world.rank, self.runtime.hvd
-        if on_cuda:
-            snapshot.gather(parts, rank, hvd, lambda part, start, end, out: flat.read(start, end, out),
-                            target)
-        else:
-            snapshot.spread(parts, target if target is not None else flat, rank, hvd)
+        with self._receiving:
+            target = None
+            if receives:
+                self._live = False     # a transfer cut short leaves these tensors half written
+                target = self._target(skeleton)
+            if on_cuda:
+                read = (lambda part, start, end, out: holder.read(start, end, out)) if held is None \
+                    else (lambda part, start, end, _: held.piece(part.held, start, end))
+                snapshot.gather(parts, rank, hvd, read, target)
+            else:
+                provide = None if held is None else lambda part, start, end: held.piece(part.held, start, end)
+                snapshot.spread(parts, target if target is not None else holder, rank, hvd, provide)
+            if target is not None:
+                self._load(target.tree())
 
     def _from_memory(self, items: list[dict], step: int, inventory: list[dict]) -> dict:
         """Reassemble commit ``step`` on the ranks whose live state is not already it."""
-        rank, hvd = self.runtime.world.rank, self.runtime.hvd
+        rank = self.runtime.world.rank
         parts = cover(items, step)
         detail = {"source": "memory", "from_step": step,
                   "parts": [[p.owner, p.start, p.end] for p in parts]}
@@ -208,18 +212,9 @@ class TrainState(RuntimeState):
         skeleton, on_cuda = self.runtime.collectives.broadcast_object(
             (mine.skeleton, Flat.of(self.live()).on_cuda) if rank == root else None,
             "regatta.dp.skeleton", root=root)
-        with self._receiving:
-            target = self._target(skeleton) if needs[rank] else None
-            if target is not None:
-                self._live = False
-            if on_cuda:
-                snapshot.gather(parts, rank, hvd, lambda part, start, end, _: mine.piece(part.held, start, end),
-                                target)
-            else:   # a rank not receiving holds the commit live: its tensors take the bytes
-                here = target if target is not None else Flat.of(self.live())
-                snapshot.spread(parts, here, rank, hvd, lambda part, start, end: mine.piece(part.held, start, end))
-            if target is not None:
-                self._load(target.tree())
+        # a rank not receiving holds the commit live: its tensors take the bytes
+        self._receive(parts, skeleton, needs[rank], None if needs[rank] else Flat.of(self.live()),
+                      on_cuda, held=mine)
         return {**detail, "recovery": "restored_commit", "moved_bytes": parts[-1].end if parts else 0}
 
     def _from_root(self, items: list[dict]) -> dict:
@@ -238,13 +233,7 @@ class TrainState(RuntimeState):
         if error:
             raise checkpoint.CheckpointError(error)
         parts = [Part(owner=0, start=0, end=total, held=(0, total))]
-        with self._receiving:
-            target = self._target(skeleton) if rank != 0 else None
-            if target is not None:
-                self._live = False
-            self._transfer(parts, flat, target, on_cuda)
-            if target is not None:
-                self._load(target.tree())
+        self._receive(parts, skeleton, rank != 0, flat, on_cuda)
         return {"source": "checkpoint" if lost else "root", "from_step": self.step, "moved_bytes": total,
                 **({"recovery": "restored_checkpoint"} if lost else {})}
 
