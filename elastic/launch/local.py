@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -60,8 +61,8 @@ def network_kind(plan: LocalPlan) -> str:
 def horovodrun_command(plan: LocalPlan, hosts_file: Path, interface: str) -> list[str]:
     venv_bin = Path(sys.executable).parent
     python = [sys.executable, "-m", "elastic.launch.shim"] if plan.warm_agents else [sys.executable]
-    job = ["--db", plan.db] if plan.db else []
-    job += ["--ingest", plan.ingest] if plan.ingest else []
+    target = worker_target(plan)
+    flags = [] if target.keeps_command_line else regatta_flags(plan)
     # Regatta's own horovodrun notices an edit of the hosts file at once (stock: within 1 s).
     horovodrun = ([sys.executable, "-m", "elastic.launch.prompt_discovery", "--watch", str(hosts_file), "--"]
                   if plan.fast_recovery else [str(venv_bin / "horovodrun")])
@@ -70,9 +71,16 @@ def horovodrun_command(plan: LocalPlan, hosts_file: Path, interface: str) -> lis
             "--host-discovery-script", f"{DISCOVER} {hosts_file}",
             "--network-interface", interface, "--gloo-timeout-seconds", str(plan.gloo_timeout),
             *(["--blacklist-cooldown-range", *map(str, plan.cooldown)] if plan.cooldown else []),
-            *python, *worker_target(plan).python_args(), "--run-dir", plan.run_dir,
-            "--steps", str(plan.steps), "--commit-every", str(plan.commit_every),
-            "--no-progress", *job, *plan.job_args]
+            *python, *target.python_args(), *flags, *plan.job_args]
+
+
+def regatta_flags(plan: LocalPlan) -> list[str]:
+    """What the launch tells the training script, on its command line (or, for a Horovod
+    script, in REGATTA_ARGS)."""
+    job = ["--db", plan.db] if plan.db else []
+    job += ["--ingest", plan.ingest] if plan.ingest else []
+    return ["--run-dir", plan.run_dir, "--steps", str(plan.steps),
+            "--commit-every", str(plan.commit_every), "--no-progress", *job]
 
 
 def worker_env(plan: LocalPlan, run_id: str, agent_dir: str) -> dict[str, str]:
@@ -88,6 +96,8 @@ def worker_env(plan: LocalPlan, run_id: str, agent_dir: str) -> dict[str, str]:
     env["REGATTA_FAST_RECOVERY"] = "1" if plan.fast_recovery else "0"
     env["REGATTA_RUN_ID"] = run_id
     env["PYTHONUNBUFFERED"] = "1"
+    if worker_target(plan).keeps_command_line:
+        env["REGATTA_ARGS"] = shlex.join(regatta_flags(plan))
     env[agent.NAMESPACE_ENV] = agent_namespace(plan)
     if agent_dir:
         env[agent.DIR_ENV] = agent_dir

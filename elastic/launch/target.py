@@ -10,9 +10,18 @@ is a file; anything else is a module, as ``python -m`` takes it.
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import re
 import runpy
 from dataclasses import dataclass
 from pathlib import Path
+
+
+# A Horovod script (horovod.torch, or regatta.horovod in its place) parses its own command
+# line: Regatta's flags would be unknown to it, so they travel in REGATTA_ARGS instead.
+OWN_COMMAND_LINE = re.compile(r"^\s*(import\s+(horovod\.torch|regatta\.horovod)\b"
+                              r"|from\s+(horovod\.torch|regatta\.horovod)(\.\w+)*\s+import\b"
+                              r"|from\s+(horovod|regatta)\s+import\s+.*\b(torch|horovod)\b)", re.M)
 
 
 class TargetError(ValueError):
@@ -44,6 +53,19 @@ class Target:
     def name(self) -> str:
         """A short name for logs and progress bars."""
         return Path(self.value).stem if self.kind == "file" else self.value.rsplit(".", 1)[-1]
+
+    @property
+    def keeps_command_line(self) -> bool:
+        """Whether it is a Horovod script (see OWN_COMMAND_LINE)."""
+        if self.kind == "file":
+            path = self.value
+        else:
+            spec = importlib.util.find_spec(self.value)
+            path = spec.origin if spec is not None and spec.origin not in (None, "built-in") else None
+        try:
+            return path is not None and bool(OWN_COMMAND_LINE.search(Path(path).read_text()))
+        except (OSError, UnicodeDecodeError):
+            return False
 
     def python_args(self) -> list[str]:
         """What follows ``python`` to run it."""

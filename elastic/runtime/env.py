@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import socket
 from dataclasses import dataclass, field
 
@@ -63,6 +64,8 @@ class Env:
     gloo_iface: str = ""            # HOROVOD_GLOO_IFACE: horovodrun's --network-interface
     gloo_timeout_s: float = 30.0    # HOROVOD_GLOO_TIMEOUT_SECONDS: horovodrun's, Horovod's 30 s
     keep_freed_memory: bool = True  # REGATTA_KEEP_FREED_MEMORY=0, or glibc's MALLOC_* set: not
+    args: tuple = ()                # REGATTA_ARGS: Regatta's flags for a script whose command
+                                    # line is its own (regatta.horovod), shell-quoted
 
     @classmethod
     def read(cls, environ: dict | None = None) -> "Env":
@@ -90,7 +93,7 @@ class Env:
                    gloo_iface=env.get("HOROVOD_GLOO_IFACE", "").strip(),
                    gloo_timeout_s=_seconds(env, "HOROVOD_GLOO_TIMEOUT_SECONDS", cls.gloo_timeout_s),
                    keep_freed_memory=_flag(env, "REGATTA_KEEP_FREED_MEMORY") is not False
-                   and not user_tuned(env))
+                   and not user_tuned(env), args=_args(env))
 
     def slow_factor(self, rank: int, host: str) -> float:
         """The slowdown injected into this rank: by rank, else the fault plan's by host."""
@@ -189,6 +192,13 @@ def _slow_ranks(env) -> tuple:
         except ValueError:
             raise EnvError(f"REGATTA_SLOW_RANKS item {item!r} must look like RANK:FACTOR") from None
     return tuple(pairs)
+
+
+def _args(env) -> tuple:
+    try:
+        return tuple(shlex.split(env.get("REGATTA_ARGS", "")))
+    except ValueError as err:
+        raise EnvError(f"REGATTA_ARGS is not a shell-quoted list of flags: {err}") from None
 
 
 def _launch_key(env) -> str:

@@ -55,6 +55,11 @@ class RuntimeState(State):
 
     def check_host_updates(self) -> int:
         """The host-update flags received since the last call (no broadcast, no raise)."""
+        return self.take_host_updates()
+
+    def take_host_updates(self) -> int:
+        """What the runtime reads at every step (a state may give ``check_host_updates``
+        Horovod's own meaning: regatta.horovod's raises)."""
         with self._updates_lock:
             flags, self._pending_updates = self._pending_updates, 0
         if flags and self.interrupted_at is None:

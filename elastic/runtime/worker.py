@@ -45,6 +45,12 @@ def current() -> "Runtime":
     return _current
 
 
+def make_current(runtime: "Runtime | None") -> None:
+    """The runtime ``current`` returns (a user's own loop sets it for its whole process)."""
+    global _current
+    _current = runtime
+
+
 class Runtime:
     def __init__(self, env: Env, cfg, job: str, config: dict, callbacks: list | None = None):
         self.created = time.time()
@@ -113,15 +119,19 @@ class Runtime:
         try:
             yield self
         except BaseException as err:
-            if self.world.is_root and not isinstance(err, KeyboardInterrupt):
-                message = f"{type(err).__name__}: {err}"[:2000]
-                self.events.record("run_failed", None, error=message)
-                self.sink.emit(run_row(self.run_id, self.job, "failed", finished_at=time.time(),
-                                       error=message))
+            self.failed(err)
             raise
         finally:
             _current = None
             self.close()
+
+    def failed(self, err: BaseException) -> None:
+        """The run's final status: failed, with the error (an interrupt is no failure)."""
+        if self.world.is_root and not isinstance(err, KeyboardInterrupt):
+            message = f"{type(err).__name__}: {err}"[:2000]
+            self.events.record("run_failed", None, error=message)
+            self.sink.emit(run_row(self.run_id, self.job, "failed", finished_at=time.time(),
+                                   error=message))
 
     def close(self) -> None:
         self.wait_for_checkpoint()
@@ -135,20 +145,21 @@ class Runtime:
         self.sink.close()
 
     # -- the loop ------------------------------------------------------------------------
-    def run(self, state) -> None:
-        """Train until ``train.steps``, surviving resets under horovodrun elastic."""
+    def run(self, state, loop=None):
+        """Run ``loop(state)`` (the engine's: train until ``train.steps``), surviving resets
+        under horovodrun elastic; what it returns."""
+        loop = loop or self.loop
         self.events.record("ready", state.step, registration_s=self.registration and self.registration.wait(),
                            **self.engine.settings())
-        if self.env.elastic:
-            try:
-                self.hvd.elastic.run(self.loop)(state)
-            except ValueError:   # hvd.init's "initialization failed" (it has no type of its own)
-                if self.recovery and not self.hvd.is_initialized():
-                    self.recovery.init_failed()   # replaced with its hand-off: does not return
-                raise
-        else:
+        if not self.env.elastic:
             state.sync()
-            self.loop(state)
+            return loop(state)
+        try:
+            return self.hvd.elastic.run(loop)(state)
+        except ValueError:   # hvd.init's "initialization failed" (it has no type of its own)
+            if self.recovery and not self.hvd.is_initialized():
+                self.recovery.init_failed()   # replaced with its hand-off: does not return
+            raise
 
     def loop(self, state) -> None:
         """The body ``hvd.elastic.run`` re-enters after every reset (sync ran first)."""
@@ -187,7 +198,7 @@ class Runtime:
         if self.world.is_root and self.policy.due(state.step + 1):
             every = self.cfg.checkpoint_every
             vote = 2 if every and (self.commits + 1) % every == 0 else 1
-        return Pending(host_update=state.check_host_updates(), commit_vote=vote)
+        return Pending(host_update=state.take_host_updates(), commit_vote=vote)
 
     def after_step(self, state, row, agreed) -> None:
         record = self.reporter.on_step(self.world, state.step, row, agreed,
