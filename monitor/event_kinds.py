@@ -91,6 +91,7 @@ KINDS: dict[str, EventKind] = {k.name: k for k in (
     EventKind("severed_while_recovering", NONE, "severed while recovering", _RED),
     EventKind("no_place", NONE, "no place in the world", _GREY),
     EventKind("stopped", NONE, "launcher stopped", _GREY),
+    EventKind("run_stopped", MAJOR, "stopped on a signal", _GREY, "square"),   # SIGTERM: scancel, a time limit
 )}
 
 

@@ -15,7 +15,7 @@ from typing import Any, Optional
 from sqlalchemy import JSON, BigInteger, Float, Index, Integer, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-RUN_STATUSES = ("running", "finished", "failed")
+RUN_STATUSES = ("running", "finished", "failed", "stopped")   # stopped: on a signal, checkpointed
 READ_STATUSES = RUN_STATUSES + ("lost",)   # lost: running, but silent (computed on read)
 # SQLite only auto-numbers an INTEGER PRIMARY KEY; PostgreSQL wants 64 bits.
 ROW_ID = BigInteger().with_variant(Integer, "sqlite")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 from pathlib import Path
 
 from elastic.launch import netns
@@ -40,6 +41,17 @@ def _postgresql() -> str:
     return ""
 
 
+def _slurm() -> str:
+    lacking = [tool for tool in ("slurmctld", "slurmd", "sbatch", "munged", "unshare")
+               if shutil.which(tool) is None and not Path("/usr/sbin", tool).exists()]
+    if lacking:
+        return f"Slurm or munge is not installed (no {', '.join(lacking)})"
+    if os.geteuid() != 0:
+        return "the Slurm cluster of the tests needs root (slurmctld and slurmd drop " \
+               "supplementary groups, which a user namespace forbids)"
+    return ""
+
+
 # name -> (the check: why it is missing, or ""; what to do)
 CHECKS = {
     "netns": (_netns, "enable unprivileged user namespaces (sysctl "
@@ -48,6 +60,8 @@ CHECKS = {
               "container, allow unshare(CLONE_NEWUSER | CLONE_NEWNET)"),
     "chromium": (_chromium, "run `bash tools/setup.sh` (apt-get install chromium; pip playwright)"),
     "postgresql": (_postgresql, "run `bash tools/setup.sh` (apt-get install postgresql)"),
+    "slurm": (_slurm, "run `bash tools/setup.sh` as root (apt-get install slurmctld slurmd "
+              "slurm-client munge)"),
 }
 
 

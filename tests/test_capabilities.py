@@ -22,7 +22,8 @@ def session(**env) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("name, words", [("netns", "user namespaces"),
                                          ("chromium", "apt-get install chromium"),
-                                         ("postgresql", "apt-get install postgresql")])
+                                         ("postgresql", "apt-get install postgresql"),
+                                         ("slurm", "apt-get install slurmctld")])
 def test_a_missing_capability_fails_the_session_saying_what_to_do(name, words):
     done = session(**{capabilities.REQUIRE_ENV: "1", capabilities.PRETEND_ENV: name})
     out = done.stdout + done.stderr

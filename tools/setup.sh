@@ -28,6 +28,11 @@ command -v chromium >/dev/null || need_apt+=(chromium)
 command -v tc >/dev/null || need_apt+=(iproute2)
 command -v nsenter >/dev/null || need_apt+=(util-linux)
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need_apt+=(postgresql)
+# A real Slurm for tests/test_slurm.py (started there in namespaces, never as a service).
+command -v slurmctld >/dev/null || [ -x /usr/sbin/slurmctld ] || need_apt+=(slurmctld)
+command -v slurmd >/dev/null || [ -x /usr/sbin/slurmd ] || need_apt+=(slurmd)
+command -v sbatch >/dev/null || need_apt+=(slurm-client)
+command -v munged >/dev/null || [ -x /usr/sbin/munged ] || need_apt+=(munge)
 if [ ${#need_apt[@]} -gt 0 ]; then
   step "apt-get install ${need_apt[*]}"
   export DEBIAN_FRONTEND=noninteractive

@@ -54,7 +54,7 @@ def exposition(store, lost_after: float, now: float | None = None) -> str:
     now = time.time() if now is None else now
     out = _Exposition()
     counts = defaultdict(int)
-    for status in ("running", "lost", "finished", "failed"):
+    for status in ("running", "lost", "finished", "failed", "stopped"):
         counts[status] = store.runs_page(status=status, limit=1, lost_after=lost_after)["total"]
     out.family("regatta_runs", "gauge", "Runs in the store by status.",
                [(None, {"status": s}, n) for s, n in counts.items()])

@@ -9,6 +9,8 @@ process, ``mpirun``, ``horovodrun`` elastic (``hvd.elastic.run`` re-enters ``loo
 from __future__ import annotations
 
 import json
+import signal
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -51,6 +53,18 @@ def make_current(runtime: "Runtime | None") -> None:
     _current = runtime
 
 
+class Stopped(SystemExit):
+    """Told to stop (SIGTERM: ``scancel``, a Slurm time limit's ``--signal``): every rank
+    left after the same step, the state committed and checkpointed. Exits with 0."""
+
+    def __init__(self, step: int):
+        super().__init__(0)
+        self.step = step
+
+
+STOP_SIGNALS = (signal.SIGTERM,)
+
+
 class Runtime:
     def __init__(self, env: Env, cfg, job: str, config: dict, callbacks: list | None = None):
         self.created = time.time()
@@ -77,6 +91,7 @@ class Runtime:
         self.commits = self.entries = 0    # commits made; entries into the training loop
         self.checkpoints = Checkpoints(self.events, cfg, self.run_id)
         self.state = None
+        self.stop_signal = 0   # the signal that asked this process to stop, once one did
 
     # -- start and end -------------------------------------------------------------------
     def init(self, engine) -> None:
@@ -104,8 +119,20 @@ class Runtime:
                            horovod_wakes=horovod.wakes, horovod_fusion_bytes=horovod.fusion_bytes,
                            keeps_freed_memory=self.keeps_freed_memory)
         self.sampler = HostSampler(self.sink, self.run_id, self.world.host, self.world.slot)
+        self._listen_for_stop()
         if self.world.is_root and not self.env.replacing:   # once a run: 0.2 s of a recovery
             self.events.record("calibration", None, memcpy_bytes_per_s=memcpy_bandwidth())
+
+    def _listen_for_stop(self) -> None:
+        """A stop signal only marks the wish: it rides the next step's agreement, so every
+        rank stops after the same step (one rank's signal stops them all)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._told_to_stop)
+
+    def _told_to_stop(self, signum, frame) -> None:
+        self.stop_signal = signum
 
     @property
     def step(self) -> int:
@@ -118,6 +145,8 @@ class Runtime:
         _current = self
         try:
             yield self
+        except Stopped:
+            raise
         except BaseException as err:
             self.failed(err)
             raise
@@ -175,6 +204,8 @@ class Runtime:
                                    step_time=time.perf_counter() - started)
                 entered = False
             self.after_step(state, row, agreed)
+            if agreed.stop:
+                self.stop(state, agreed.loss)
             if agreed.host_update:
                 self.commit(state, "membership", agreed.loss)
                 state.prepare_reset()
@@ -198,7 +229,8 @@ class Runtime:
         if self.world.is_root and self.policy.due(state.step + 1):
             every = self.cfg.checkpoint_every
             vote = 2 if every and (self.commits + 1) % every == 0 else 1
-        return Pending(host_update=state.take_host_updates(), commit_vote=vote)
+        return Pending(host_update=state.take_host_updates(), commit_vote=vote,
+                       stop=bool(self.stop_signal))
 
     def after_step(self, state, row, agreed) -> None:
         record = self.reporter.on_step(self.world, state.step, row, agreed,
@@ -254,6 +286,17 @@ class Runtime:
                                mtbf_s=p.mtbf_s(), failures=p.failures)
         if checkpoint:
             self.checkpoint(state)
+
+    def stop(self, state, loss: float | None = None) -> None:
+        """Every rank agreed to stop after this step: commit, put the state on disk (rank
+        0, waited for), mark the run stopped, leave with :class:`Stopped`."""
+        self.commit(state, "stopped", loss, checkpoint=True)
+        self.wait_for_checkpoint()
+        self.events.record("run_stopped", state.step, signal=self.stop_signal or None,
+                           size=self.world.size)
+        if self.world.is_root:
+            self.sink.emit(run_row(self.run_id, self.job, "stopped", finished_at=time.time()))
+        raise Stopped(state.step)
 
     def checkpoint(self, state) -> None:
         self.checkpoints.write(state)

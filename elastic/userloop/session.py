@@ -91,6 +91,9 @@ class Session:
             result = self.runtime.run(state, loop)
             self.runtime.checkpoint(state)
             self.runtime.finish(state)
+        except worker.Stopped:    # told to stop: committed, checkpointed, marked stopped
+            self.ended = True
+            raise
         except BaseException as err:
             self.fail(err)
             raise

@@ -102,7 +102,7 @@ class TorchState(TrainState):
         self.every_module = nn.ModuleList([v for v in tensors.values() if isinstance(v, nn.Module)])
         self.forward_buffers = live.BufferStash(self.every_module)
         self._moved = False              # an optimizer applied an update since the boundary
-        self._flags = (0, False, False)  # host updates, commit, checkpoint agreed since it
+        self._flags = (0, False, False, False)  # host updates, commit, checkpoint, stop agreed since it
         self._last: Agreed | None = None
         self._measured = {"work": 0.0, "comm": 0.0, "wait": 0.0, "bytes": 0, "overlap": None}
         self._samples, self._boundary_at, self._entered = 0, time.perf_counter(), False
@@ -130,8 +130,9 @@ class TorchState(TrainState):
         self._moved = True
 
     def _agreed(self, agreed: Agreed) -> None:
-        host, commit, checkpoint = self._flags
-        self._flags = (host | agreed.host_update, commit or agreed.commit, checkpoint or agreed.checkpoint)
+        host, commit, checkpoint, stop = self._flags
+        self._flags = (host | agreed.host_update, commit or agreed.commit,
+                       checkpoint or agreed.checkpoint, stop or agreed.stop)
         self._last = agreed
 
     def _count_samples(self, module, args) -> None:
@@ -143,8 +144,10 @@ class TorchState(TrainState):
         """A step boundary: count it, report it, commit when due, leave for new hosts."""
         if self._last is None:
             self._agree_alone()
-        host, commit, checkpoint = self._flags
+        host, commit, checkpoint, stop = self._flags
         self._boundary()
+        if stop:
+            self.runtime.stop(self)
         if host:
             self.runtime.commit(self, "membership")
             self.prepare_reset()
@@ -157,7 +160,7 @@ class TorchState(TrainState):
         driver announced new or lost hosts (one small collective)."""
         self._agree_alone()
         if self._flags[0]:
-            self._flags = (0, self._flags[1], self._flags[2])
+            self._flags = (0, *self._flags[1:])
             if not self._moved:
                 self.runtime.commit(self, "membership")
             self.prepare_reset()
@@ -187,7 +190,7 @@ class TorchState(TrainState):
         self.runtime.env.faults.before_step(self.runtime.world, self.step, self.runtime.events)
 
     def _since_boundary(self, now: float) -> None:
-        self._moved, self._flags, self._last, self._samples = False, (0, False, False), None, 0
+        self._moved, self._flags, self._last, self._samples = False, (0, False, False, False), None, 0
         self._measured = {"work": 0.0, "comm": 0.0, "wait": 0.0, "bytes": 0, "overlap": None}
         self._boundary_at = now
 
