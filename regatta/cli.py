@@ -177,8 +177,8 @@ COMMANDS = {"local": (_local_parser, cmd_local),
             "demo": (_demo_parser, cmd_demo)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command and its arguments (what follows ``--`` goes to the job), or exit 2."""
     parser = argparse.ArgumentParser(prog="regatta", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -189,6 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv[:len(argv) - len(passed) - (1 if "--" in argv else 0)])
     if passed:
         args.job_args = passed
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
     from elastic.config import ConfigError
     from elastic.launch.hosts import HostsError
     from elastic.launch.plan import PlanError
