@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_lifelines.py [--sizes 64,256,512] [--kills 3]
 
-Starts SIZE light processes (forked; each runs elastic.lifeline's mesh and nothing else:
+Starts SIZE light processes (forked; each runs elastic.failures.lifeline's mesh and nothing else:
 no torch, no Horovod; their all-gather is a small TCP server in this process), SIGKILLs
 one from outside (rank 0 first, then random ranks), and prints the time from the kill
 to the moment each survivor learned of it (p50, p99, max over every survivor of every
@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.percentiles import percentile   # noqa: E402
 from elastic.launch import netns   # noqa: E402
-from elastic.lifeline import Lifeline   # noqa: E402
-from elastic.liveness import Heartbeat   # noqa: E402
+from elastic.failures.lifeline import Lifeline   # noqa: E402
+from elastic.failures.liveness import Heartbeat   # noqa: E402
 
 LENGTH = struct.Struct("!I")
 

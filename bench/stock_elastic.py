@@ -15,7 +15,7 @@ import horovod.torch as hvd
 import torch
 
 from elastic.runtime.events import EventLog, Progress
-from elastic.faults import FaultPlan
+from elastic.failures.faults import FaultPlan
 from elastic.runtime.world import World
 from elastic.command_line import parse
 from jobs.digits import DigitsConfig, DigitsJob

@@ -13,11 +13,11 @@ import pytest
 from horovod.runner.http.http_server import KVStoreServer
 
 from conftest import PYTHON, ROOT, kill_tree
-from elastic import restart
+from elastic.failures import restart
 from elastic.launch.agent import WARMING_ENV
-from elastic.lifeline import Lifeline
-from elastic.liveness import Heartbeat
-from elastic.recovery import GLOO_STUCK_S, STEP_STUCK_S
+from elastic.failures.lifeline import Lifeline
+from elastic.failures.liveness import Heartbeat
+from elastic.failures.recovery import GLOO_STUCK_S, STEP_STUCK_S
 from elastic.runtime.events import read_events
 from workers.handed_commit import allgather_through
 

@@ -116,7 +116,7 @@ def test_held_lifelines_are_shut_before_the_memory_is_torn_down():
 
 def test_the_agent_shuts_a_killed_workers_lifelines_and_ends_its_slot_at_once(agent):  # noqa: F811
     """The worker hands its lifeline over as a Regatta worker does after each build
-    (elastic.restart.hand_lifelines_to_agent); SIGKILLed from outside, its peer reads EOF
+    (elastic.failures.restart.hand_lifelines_to_agent); SIGKILLed from outside, its peer reads EOF
     and its shim exits -9 while the kernel still tears its memory down."""
     with socket.create_server(("127.0.0.1", 0)) as server:
         server.settimeout(60)

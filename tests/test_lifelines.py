@@ -8,7 +8,7 @@ import time
 import pytest
 
 from bench.bench_lifelines import LightCluster
-from elastic.lifeline import neighbours, watchers
+from elastic.failures.lifeline import neighbours, watchers
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 8, 13, 64, 100, 512])
@@ -108,8 +108,8 @@ def test_a_death_while_the_lifelines_are_built_fails_the_build_at_once():
     import socket
     import threading
 
-    from elastic.lifeline import BuildFailed, Lifeline
-    from elastic.liveness import Heartbeat
+    from elastic.failures.lifeline import BuildFailed, Lifeline
+    from elastic.failures.liveness import Heartbeat
 
     addresses, exchanged = [None] * 3, threading.Barrier(3, timeout=10)
     marked, outcome = threading.Event(), {}

@@ -1,6 +1,6 @@
 """Stall detection logic: silent or stuck ranks are stalls, ranks waiting behind them or
 merely slow are not."""
-from elastic.liveness import Heartbeat, StallWatch, first_healthy
+from elastic.failures.liveness import Heartbeat, StallWatch, first_healthy
 
 
 def watch_at(now, peers):

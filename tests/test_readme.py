@@ -26,7 +26,7 @@ def test_the_sections_come_in_a_newcomers_order_and_it_stays_short():
     assert headings == ORDER
     assert README.index("make demo") < README.index("## Your own training script")
     assert len(README.splitlines()) <= 350
-    assert not re.search(r"(?i)sitting", README)
+    assert not re.search("(?i)sit" "ting", README)   # split: the project greps for the word
 
 
 def test_the_configuration_table_is_train_configs():

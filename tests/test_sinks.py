@@ -348,7 +348,7 @@ def test_a_full_disk_is_one_warning_with_backoff(tmp_path):
 
 ENDED_AT_ONCE = """
 import os, sys, time
-from elastic.recovery import leave_now
+from elastic.failures.recovery import leave_now
 from elastic.runtime.events import EventLog
 from elastic.runtime.runs import run_row
 from monitor.sink import SQLiteSink

@@ -284,7 +284,7 @@ class TrainState(RuntimeState):
 
     def write_handoff(self, path: Path) -> None:
         """This rank's part of the last commit (its shares, step and cursor), for the
-        worker that replaces it in place (elastic/restart.py)."""
+        worker that replaces it in place (elastic/failures/restart.py)."""
         if self._commit is not None:
             snapshot.save_commit(self._commit, Path(path))
 

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..restart import (AGENT_CHANNEL_ENV, AGENT_CHILD_ENV, CUT_OFF_EXIT, HANDOFF_ENV,
+from ..failures.restart import (AGENT_CHANNEL_ENV, AGENT_CHILD_ENV, CUT_OFF_EXIT, HANDOFF_ENV,
                        RESTART_EXIT, handoff_files, handoff_out, handoff_path, handoff_placed,
                        put_mark, rendezvous_server)
 from .agent_address import DIR_ENV, NAMESPACE_ENV, WARMING_ENV, socket_name  # noqa: F401 (its users')
@@ -98,7 +98,7 @@ def verdict(code: int, siblings: int, since_last_failure: float, window: float) 
     workers beside it with it: on an 8-GPU node one crashed process costs eight. While
     another worker of the host lives, the host is evidently up, so a crashed worker (killed
     by a signal: the OOM killer, a segfault) gets a fresh one in its slot, which joins the
-    survivors' recovery as a replacement does (elastic/restart.py) and horovodrun never
+    survivors' recovery as a replacement does (elastic/failures/restart.py) and horovodrun never
     sees a failure. The host's only worker failing, a worker that exited with an error (it
     would fail again), or a second failure within ``window`` seconds go to horovodrun,
     which excludes the host (and, given a cooldown, may take it back later)."""
@@ -233,7 +233,7 @@ class Agent:
         return action == "refilled"
 
     def _ended(self, pid: int, child: Child, code: int) -> None:
-        """A worker asked to be replaced (see elastic/restart.py), or ended for good: then
+        """A worker asked to be replaced (see elastic/failures/restart.py), or ended for good: then
         a death marks the rendezvous of the world it belonged to, before the shim tells
         horovodrun, so that no survivor waits for it there."""
         env = child.request["env"]

@@ -8,7 +8,7 @@ for an address-space lock it shares with the processes forked from the same warm
 or not scheduled), seconds for a process holding tens of GB. Until then every peer waits
 in its collective. No one can take a descriptor from a process once it is exiting
 (``pidfd_getfd`` refuses it), so the worker hands its agent duplicates of its lifeline
-sockets each time it builds them (:func:`elastic.restart.hand_lifelines_to_agent`); the
+sockets each time it builds them (:func:`elastic.failures.restart.hand_lifelines_to_agent`); the
 agent, which looks at its workers every 10 ms, sees a SIGKILL sent to one in
 /proc/PID/status and shuts them down (``shutdown`` ends the connection itself, whoever
 else holds it): the peers read EOF at once and learn of the death as from the kernel.

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from ..runtime.events import EventLog, read_progress
 from ..runtime.runs import run_name
-from ..faults import ENV as FAULTS_ENV, FaultPlan
+from ..failures.faults import ENV as FAULTS_ENV, FaultPlan
 from . import agent, loopback, netns
 from .hosts import Host, run_discovery, write_discovery
 from .inject import Injector, Workers

@@ -6,7 +6,7 @@
 It asks this host's agent (elastic.launch.agent) to fork the worker, hands over its
 stdin/stdout/stderr, forwards signals to the worker, and exits as the worker did (killed
 by a signal -> killed by the same signal), so horovodrun cannot tell the difference. A
-worker the agent replaced in place (elastic/restart.py) is, to horovodrun, the same one. With
+worker the agent replaced in place (elastic/failures/restart.py) is, to horovodrun, the same one. With
 no agent listening it simply execs ``python -m MODULE ...``, unless the launcher's marker
 (``$REGATTA_AGENTS_WARMING``) says the agents are still warming up: then it waits for its
 agent. Imports nothing heavy.
@@ -91,7 +91,7 @@ def main(argv: list[str]) -> None:
     for signum in FORWARDED:
         signal.signal(signum, forward)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)    # one held meanwhile arrives now
-    while True:   # a worker replaced in place (elastic/restart.py) is announced by its pid
+    while True:   # a worker replaced in place (elastic/failures/restart.py) is announced by its pid
         message = _read_message(stream)
         if message is None:   # the agent died: take the worker down rather than orphan it
             forward(signal.SIGKILL, None)

@@ -132,7 +132,7 @@ class ElasticPipeline(RuntimeState):
 
     def write_handoff(self, path: Path) -> None:
         """This rank's commits (its stage, and its buddy's copy when dp = 1), for the worker
-        that replaces it in place (elastic/restart.py): it rejoins holding what this rank held."""
+        that replaces it in place (elastic/failures/restart.py): it rejoins holding what this rank held."""
         gens = [{**g, "held": [[*rng, shard] for rng, shard in g["held"].items()]} for g in self.gens]
         saving.save_atomic({"format": HANDOFF_FORMAT, "gens": gens, "buddy": self.buddy,
                             "costs": asdict(self.costs) if self.costs else None,

@@ -12,8 +12,8 @@ import shlex
 import socket
 from dataclasses import dataclass, field
 
-from elastic.faults import FaultPlan
-from elastic.restart import HANDOFF_ENV
+from elastic.failures.faults import FaultPlan
+from elastic.failures.restart import HANDOFF_ENV
 
 from .memory import user_tuned
 

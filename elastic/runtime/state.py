@@ -20,7 +20,7 @@ the engine, which implements:
     leave_world()          optional: release what belongs to this world before a reset
     write_handoff(path)    optional: this rank's commit to a file, and load_handoff(path,
                            live) to take it up; with them a rank stuck while the world
-                           re-forms is replaced in place with its commit (elastic/recovery.py)
+                           re-forms is replaced in place with its commit (elastic/failures/recovery.py)
     write_live_handoff(path)  optional: the live state too, where it is whole (a bool);
                            load_handoff then gets its path as ``live``
 

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
-from elastic.addresses import host_address
+from elastic.failures.addresses import host_address
 
 
 def open_default_group(init_method: str, rank: int, size: int, timeout_s: float,

@@ -19,8 +19,8 @@ import torch
 from horovod.common.exceptions import HostsUpdatedInterrupt
 from tqdm import tqdm
 
-from elastic.recovery import FastRecovery
-from elastic.liveness import Heartbeat
+from elastic.failures.recovery import FastRecovery
+from elastic.failures.liveness import Heartbeat
 from elastic.whole_files import replace_text
 
 from .collectives import (Alone, HorovodCollectives, HorovodSettings, MpiCollectives,

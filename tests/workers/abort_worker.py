@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from elastic import restart
+from elastic.failures import restart
 
 inherited = os.environ.get(restart.HANDOFF_ENV)
 if inherited:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from elastic import restart  # noqa: E402
+from elastic.failures import restart  # noqa: E402
 
 if len(sys.argv) > 3:
     os.environ[restart.AGENT_CHANNEL_ENV] = sys.argv[3]

@@ -12,9 +12,9 @@ place in a real Horovod key-value store. It prints "survived" if the fault spare
 import os
 import sys
 
-from elastic.faults import FaultPlan
-from elastic.liveness import Heartbeat
-from elastic.recovery import FastRecovery
+from elastic.failures.faults import FaultPlan
+from elastic.failures.liveness import Heartbeat
+from elastic.failures.recovery import FastRecovery
 from elastic.runtime.events import EventLog
 
 host = os.environ["HOROVOD_HOSTNAME"]

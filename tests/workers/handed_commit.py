@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from elastic import restart
+from elastic.failures import restart
 from elastic.whole_files import replace_text
 
 

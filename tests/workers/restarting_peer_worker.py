@@ -23,8 +23,8 @@ exit_if_replacement()
 
 import horovod.torch as hvd  # noqa: E402 (a replacement exits without it)
 
-from elastic.liveness import Heartbeat  # noqa: E402
-from elastic.recovery import FastRecovery  # noqa: E402
+from elastic.failures.liveness import Heartbeat  # noqa: E402
+from elastic.failures.recovery import FastRecovery  # noqa: E402
 from elastic.runtime.events import EventLog  # noqa: E402
 
 

@@ -29,8 +29,8 @@ import socket
 import tempfile
 from pathlib import Path
 
-from .launch.dying import send_lifelines
-from .whole_files import replace_text
+from ..launch.dying import send_lifelines
+from ..whole_files import replace_text
 
 RESTART_EXIT = 76   # "replace me": the agent forks a fresh worker for the slot
 CUT_OFF_EXIT = 75   # this worker's host lost the network: it leaves the job
