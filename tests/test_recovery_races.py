@@ -176,8 +176,12 @@ def test_survivors_aborted_by_gloo_are_replaced_with_their_commits(killed_connec
         commits = {e["step"]: e["param_hash"] for e in mine if e["kind"] == "commit"}
         for loaded in [e for e in mine if e["kind"] == "handoff_loaded"]:
             assert loaded["wall_time"] > second["wall_time"] and loaded["step"] == 60 in commits
-            assert loaded["live"] == any(e["live"] for e in mine if e["kind"] == "restart_in_place"
-                                         and e["wall_time"] < loaded["wall_time"])
+            asked_before = [e for e in mine if e["kind"] == "restart_in_place"
+                            and e["wall_time"] < loaded["wall_time"]]
+            # A live state is loaded where its predecessor said it handed one over, or where
+            # Gloo aborted it between writing the hand-off and recording that (no event then)
+            if asked_before:
+                assert loaded["live"] == any(e["live"] for e in asked_before)
             replaced += 1
         for restarted in [e for e in mine if e["kind"] == "restart_in_place"]:
             assert restarted["wall_time"] > second["wall_time"] and restarted["step"] == 60

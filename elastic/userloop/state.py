@@ -94,13 +94,14 @@ class TorchState(TrainState):
                    "optimizer": optimizer if optimizer is not None else _placeholder_optimizer()}
         tensors.update({k: v for k, v in kwargs.items() if isinstance(v, (nn.Module, torch.optim.Optimizer))})
         plain = {k: v for k, v in kwargs.items() if k not in tensors}
-        for name, value in {**kwargs, **plain}.items():
+        for name, value in kwargs.items():
             object.__setattr__(self, name, value)
         self._marks = Marks(self, list(plain))
         self._marks.mark()
         super().__init__(session.runtime, {**tensors, "attributes": self._marks}, session.cfg.checkpoint_path)
         self.every_module = nn.ModuleList([v for v in tensors.values() if isinstance(v, nn.Module)])
         self.forward_buffers = live.BufferStash(self.every_module)
+        self._trains = optimizer is not None   # else the optimizer is a placeholder (no lr)
         self._moved = False              # an optimizer applied an update since the boundary
         self._flags = (0, False, False, False)  # host updates, commit, checkpoint, stop agreed since it
         self._last: Agreed | None = None
@@ -177,7 +178,7 @@ class TorchState(TrainState):
         self.step += 1
         self._marks.mark()
         self.forward_buffers.keep()
-        lr = self.optimizer.param_groups[0]["lr"] if self.optimizer.param_groups[0]["params"][0].numel() else None
+        lr = self.optimizer.param_groups[0]["lr"] if self._trains else None
         row = StepRow(step_time=now - self._boundary_at, compute_time=m["work"], comm_time=m["comm"],
                       wait_time=m["wait"], samples=self._samples, bytes_sent=m["bytes"], lr=lr,
                       overlap=m["overlap"])
