@@ -51,7 +51,7 @@ def healthy(tmp_path_factory):
     for name, script, extra in (("regatta", DROP_IN, []), ("stock", STOCK, ["--stock-recovery", "--cold-workers"])):
         tmp = tmp_path_factory.mktemp(f"dropin-{name}")
         runs[name] = tmp, regatta_local(tmp, str(script), "--hosts", "3", "--db", str(tmp / "m.db"),
-                                        *extra, timeout=240)
+                                        *extra, timeout=240, job_args=["--epochs", "3"])
     return runs
 
 
@@ -105,7 +105,7 @@ def test_without_faults_it_trains_as_the_stock_script_does(healthy):
     assert regatta["exit_code"] == stock["exit_code"] == 0
     ours, theirs = printed_test(regatta_dir / "run"), printed_test(stock_dir / "run")
     assert ours[0] == pytest.approx(theirs[0], abs=0.06) and abs(ours[1] - theirs[1]) <= 4.0
-    assert ours[1] > 85.0 and theirs[1] > 85.0
+    assert ours[1] > 75.0 and theirs[1] > 75.0   # 3 epochs: about 82 % (5: 95 %)
     # the replicas end as one model
     finals = [json.loads(p.read_text()) for p in (regatta_dir / "run" / "final").glob("*.json")]
     assert len(finals) == 3 and len({f["param_hash"] for f in finals}) == 1
