@@ -56,7 +56,11 @@ def measure(width: int, arm: str, seed: int, kill_at: int, workdir: Path) -> dic
            "--set", f"model.width={width}", "--set", "train.optimizer=adam",
            "--set", "train.global_batch=24", "--set", "train.checkpoint_every=0",
            "--set", "train.eval_every=0", *ARMS[arm]]
-    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=1000)
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1000)
+    if done.returncode != 0:
+        log = run_dir / "horovodrun.log"
+        tail = log.read_text()[-1500:] if log.exists() else done.stderr[-1500:]
+        raise RuntimeError(f"exit {done.returncode}:\n{tail}")
     report = json.loads(report_path.read_text())
     (change,) = [c for c in report["changes"] if c["kind"] == "failure"]
     syncs = [e for e in report["events"] if e["kind"] == "sync" and e["wall_time"] > change["wall_time"]
@@ -76,7 +80,10 @@ def main() -> None:
     parser.add_argument("--sizes", default="10M,100M")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--kill-at", type=int, default=25, help="the step the kill comes after")
+    parser.add_argument("--arms", default=",".join(ARMS), help="live, commit or both")
     args = parser.parse_args()
+    for arm in set(ARMS) - set(args.arms.split(",")):
+        del ARMS[arm]
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     results = {(size, arm): [] for size in sizes for arm in ARMS}
     with tempfile.TemporaryDirectory() as tmp:
@@ -87,7 +94,11 @@ def main() -> None:
             for repeat in range(args.repeats):
                 arms = list(ARMS) if repeat % 2 == 0 else list(reversed(ARMS))
                 for arm in arms:
-                    row = measure(width, arm, repeat, args.kill_at, Path(tmp))
+                    try:
+                        row = measure(width, arm, repeat, args.kill_at, Path(tmp))
+                    except RuntimeError as err:   # said, and counted out of the figures
+                        print(f"  run {repeat + 1} {arm:6s} FAILED: {err}", flush=True)
+                        continue
                     results[size, arm].append(row)
                     moved = "?" if row["moved_bytes"] is None else f"{row['moved_bytes'] / 2**20:.1f} MiB"
                     print(f"  run {repeat + 1} {arm:6s} {row['seconds']:7.3f} s  steps redone "
@@ -96,6 +107,11 @@ def main() -> None:
     print()
     base = None
     for size in sizes:
+        if set(ARMS) != {"live", "commit"}:
+            for arm in ARMS:
+                print(f"{size / 1e6:5.0f}M  {arm:6s} {spread([r['seconds'] for r in results[size, arm]])}  "
+                      f"redone max {max(r['steps_redone'] for r in results[size, arm])}")
+            continue
         live = [r["seconds"] for r in results[size, "live"]]
         commit = [r["seconds"] for r in results[size, "commit"]]
         base = base or percentile(live, 0.5)

@@ -53,6 +53,7 @@ from .liveness import Heartbeat
 RENDEZVOUS_GRACE_S = 1.0   # a rendezvous of live workers takes a fraction of this
 GLOO_STUCK_S = 2.0         # a severed collective raises, and a shutdown returns, in ms
 STEP_STUCK_S = 0.5  # 1,248 of 1,252 severed step collectives (13 chaos runs) raised in 0.087 s
+STEP_STUCK_STEPS = 2.0   # and at least this many step times: the step may still be computing
 LAST_ROWS_S = 1.0          # how long a worker that leaves at once waits for its store rows
 
 
@@ -68,8 +69,10 @@ class FastRecovery:
     what a death means in each phase (training, or re-forming the world)."""
 
     def __init__(self, events, heartbeat: Heartbeat, stall_after: float = 5.0,
-                 dies_recovering=lambda step: "", committed_step=lambda: None) -> None:
+                 dies_recovering=lambda step: "", committed_step=lambda: None,
+                 step_time=lambda: 0.0) -> None:
         self.events, self.heartbeat, self.stall_after = events, heartbeat, stall_after
+        self.step_time = step_time               # the recent step time, seconds (0: unknown)
         self.committed_step = committed_step     # the step of the commit a restore goes back to
         self.dies_recovering = dies_recovering   # a planned fault (faults.py): step -> when
         self.baseline = ConnectionBaseline()
@@ -226,9 +229,13 @@ class FastRecovery:
     def _watch_sever(self, episode: int) -> None:
         """A severed collective raises in milliseconds. One still waiting STEP_STUCK_S later
         is Horovod's background loop in a Gloo receive posted after Gloo had closed that
-        connection, as in the sync: it would wait out Gloo's 30 s. Restart in place."""
+        connection, as in the sync: it would wait out Gloo's 30 s. Restart in place. The
+        heartbeat says "in the step", not "in its collective": a big model's rank may still
+        be computing its backward when the news comes (at 100M parameters here, for
+        seconds), and raises when it reaches the wait; so the wait is also at least
+        STEP_STUCK_STEPS step times (a restart in place costs it its live state)."""
         stuck = lambda: self._episode == episode and self.heartbeat.waiting  # noqa: E731
-        deadline = time.time() + STEP_STUCK_S
+        deadline = time.time() + max(STEP_STUCK_S, STEP_STUCK_STEPS * self.step_time())
         while time.time() < deadline:
             time.sleep(0.05)
             if not stuck():     # it raised (a restore may take a while yet), or it re-formed

@@ -80,7 +80,8 @@ class Runtime:
         self.heartbeat = Heartbeat()
         self.recovery = FastRecovery(
             self.events, self.heartbeat, cfg.stall_after, committed_step=lambda: self.policy.last_commit_step,
-            dies_recovering=lambda step: env.faults.dies_recovering(env.host, step)) \
+            dies_recovering=lambda step: env.faults.dies_recovering(env.host, step),
+            step_time=lambda: self.policy.step_time_s) \
             if env.elastic and env.fast_recovery else None
         self.policy = CommitPolicy(fixed=cfg.fixed_commit_every)
         self.reporter = StepReporter(self.sink, self.run_id, self.events, callbacks)
