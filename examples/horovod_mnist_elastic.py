@@ -7,7 +7,7 @@ scikit-learn's bundled 8x8 digits instead of a download, with Horovod's ElasticS
 so that a reset re-partitions the samples left. The same file with
 ``import horovod.torch as hvd`` is tests/workers/horovod_mnist_elastic_stock.py.
 
-    regatta local examples/horovod_mnist_elastic.py --hosts 3 --sigkill 2@40 --db runs/regatta.db
+    regatta local examples/horovod_mnist_elastic.py --hosts 3 --sigkill 2@40
     horovodrun -np 2 python examples/horovod_mnist_elastic.py --epochs 3
 """
 import argparse
