@@ -18,6 +18,7 @@ DROP_IN = ROOT / "examples" / "horovod_mnist_elastic.py"
 STOCK = ROOT / "tests" / "workers" / "horovod_mnist_elastic_stock.py"
 KILL_AT = 30
 TEST_LINE = re.compile(r"Test set: average loss ([0-9.]+), accuracy ([0-9.]+)%")
+TRAIN_LINE = re.compile(r"Train epoch (\d+) batch (\d+) workers \d+ loss ([0-9.]+)")
 
 
 def test_the_two_scripts_differ_in_the_import_line_only():
@@ -25,6 +26,12 @@ def test_the_two_scripts_differ_in_the_import_line_only():
                                                   DROP_IN.read_text().splitlines(), lineterm="", n=0)
             if line[:1] in "+-" and not line.startswith(("+++", "---"))]
     assert diff == ["-import horovod.torch as hvd", "+import regatta.horovod as hvd"]
+
+
+def printed_train(run_dir: Path) -> dict[tuple[int, int], float]:
+    """Rank 0's training log: (epoch, batch) -> that batch's loss."""
+    found = TRAIN_LINE.findall((run_dir / "horovodrun.log").read_text())
+    return {(int(epoch), int(batch)): float(loss) for epoch, batch, loss in found}
 
 
 def printed_test(run_dir: Path) -> tuple[float, float]:
@@ -51,7 +58,7 @@ def healthy(tmp_path_factory):
     for name, script, extra in (("regatta", DROP_IN, []), ("stock", STOCK, ["--stock-recovery", "--cold-workers"])):
         tmp = tmp_path_factory.mktemp(f"dropin-{name}")
         runs[name] = tmp, regatta_local(tmp, str(script), "--hosts", "3", "--db", str(tmp / "m.db"),
-                                        *extra, timeout=240, job_args=["--epochs", "3"])
+                                        *extra, timeout=240, job_args=["--epochs", "3", "--log-interval", "5"])
     return runs
 
 
@@ -98,14 +105,21 @@ def test_the_store_has_its_steps_hosts_and_the_failure_with_its_phases(killed):
 
 
 def test_without_faults_it_trains_as_the_stock_script_does(healthy):
-    """The same seeds, batches and averaged gradients: the same training, to the rounding
-    of summation orders (stock Horovod's own vary from run to run with what its fusion
-    buffer happens to hold: 0.221 and 0.244 test loss seen for the stock script alone)."""
+    """The same seeds, batches, dropout masks and averaged gradients: the same training,
+    to the rounding of summation orders. Those roundings grow as the loss falls steeply
+    (epoch 3 here), and stock Horovod's own vary from run to run with what its fusion
+    buffer happens to hold (test loss 0.221 and 0.244 for the stock script alone after 5
+    epochs; 0.420 stock and 0.471 Regatta after 3): the first epoch is compared closely,
+    where rounding has not yet grown, and the end loosely."""
     (regatta_dir, regatta), (stock_dir, stock) = healthy["regatta"], healthy["stock"]
     assert regatta["exit_code"] == stock["exit_code"] == 0
+    ours, theirs = printed_train(regatta_dir / "run"), printed_train(stock_dir / "run")
+    assert ours.keys() == theirs.keys() and len(ours) == 9    # 3 epochs x batches 5, 10, 15
+    first_epoch = [key for key in ours if key[0] == 1]
+    assert [ours[k] for k in first_epoch] == pytest.approx([theirs[k] for k in first_epoch], abs=2e-3)
     ours, theirs = printed_test(regatta_dir / "run"), printed_test(stock_dir / "run")
-    assert ours[0] == pytest.approx(theirs[0], abs=0.06) and abs(ours[1] - theirs[1]) <= 4.0
-    assert ours[1] > 75.0 and theirs[1] > 75.0   # 3 epochs: about 82 % (5: 95 %)
+    assert ours[0] == pytest.approx(theirs[0], abs=0.15) and abs(ours[1] - theirs[1]) <= 10.0
+    assert ours[1] > 75.0 and theirs[1] > 75.0   # 3 epochs: 82 to 88 % (5: 95 %)
     # the replicas end as one model
     finals = [json.loads(p.read_text()) for p in (regatta_dir / "run" / "final").glob("*.json")]
     assert len(finals) == 3 and len({f["param_hash"] for f in finals}) == 1

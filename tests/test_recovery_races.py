@@ -311,21 +311,35 @@ def killed_joining(tmp_path_factory):
     """3 hosts and one added at step 60; host 1 dies as Gloo connects the world that takes
     the added host in: that host's fresh worker is in its first rendezvous. It was left
     there for Gloo to abort (its host excluded, the job one host short) or to time out
-    (30 s, seen in a chaos run with rank 0 killed)."""
-    return short_race(tmp_path_factory.mktemp("joining"),
-                      "--hosts", "3", "--steps", "200", "--add", "@60", "--kill-connecting", "1@55")
+    (30 s, seen in a chaos run with rank 0 killed).
+
+    The instant is found by a thread polling the doomed worker's sockets; on a loaded
+    machine it can go unscheduled for half a second while Gloo makes the last connections,
+    and the world forms with host 1 alive (9 runs in 12 beside two busy loops, none in 6
+    without). Such a run never reached the race: it is run again, at most four times. A
+    run that reached it and failed is what the test reports."""
+    for attempt in range(4):
+        tmp = tmp_path_factory.mktemp("joining")
+        done, report, log = short_race(tmp, "--hosts", "3", "--steps", "200", "--add", "@60",
+                                       "--kill-connecting", "1@55")
+        if done.returncode != 0 or kinds(report, "kill_injected"):
+            break
+    print("attempts", attempt + 1)
+    return done, report, log, tmp / "run"
 
 
 def test_a_death_while_a_host_joins_keeps_the_added_host(killed_joining):
     """The added host's fresh worker is replaced like any other (stateless: the sync gives
     it the state), so the job goes on with every live host."""
-    done, report, log = killed_joining
-    assert done.returncode == 0 and report["exit_code"] == 0, log[-3000:]
+    done, report, log, run_dir = killed_joining
+    assert done.returncode == 0 and report["exit_code"] == 0, what_happened(run_dir, report["events"])
     assert "Wait timeout" not in log
     (kill,) = kinds(report, "kill_injected")
     assert (kill["host"], kill.get("connecting")) == ("127.0.0.2", True)
-    # Failed once in a fresh clone's full suite (world 2), never alone (8 of 8 here, 4 of
-    # them beside two busy loops): what left the world is in the message.
+    # Failed twice in a fresh clone's full suite, never alone (8 of 8 here, 4 of them beside
+    # two busy loops): once in world 2, once with no commit covered among the ranks left
+    # ("steps held: [40]", no checkpoint yet) on 2026-12-06. What left the world, and the
+    # events, are in the messages.
     lost = [{k: e.get(k) for k in ("kind", "host", "target", "code", "action", "reason")}
             for e in report["events"] if e["kind"] in ("slot_failed", "restart_in_place",
                                                        "no_place", "host_removed", "cut_off")]
