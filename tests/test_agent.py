@@ -34,6 +34,10 @@ def agent():
     assert "ready" in proc.stdout.readline()
     yield host
     kill_tree(proc.pid)
+    # the hand-offs its workers left (in /dev/shm, which outlives the test)
+    pattern = restart.handoff_path(host, 0).name.replace("-0.pt", "-*")
+    for leftover in restart.handoff_path(host, 0).parent.glob(pattern):
+        leftover.unlink(missing_ok=True)
 
 
 def shim(host, run_dir=None, extra_env=None, job=JOB, args=(), **kwargs):
