@@ -181,6 +181,11 @@ class Agent:
             child.conn.close()
             child.lifelines.channel.close()
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            # Pids repeat from one run's namespaces to the next: a hand-off left at this
+            # pid's path by a worker of an earlier run (its agent killed with it out) would
+            # be read as this worker's own, by this agent and by a replacement.
+            for stale in handoff_files(handoff_path(env.get("HOROVOD_HOSTNAME", ""), os.getpid())):
+                stale.unlink(missing_ok=True)
             run_child(child.request, child.fds)
         child.lifelines.worker_end.close()
         self.children[pid] = child
