@@ -10,7 +10,9 @@ act on it at exact steps, which keeps fault tests repeatable:
   (a hung data loader): alive, silent, and must not be declared dead.
 * ``kill_connecting``: ``[{"host": H, "step": S}]``: every worker on host H SIGKILLs itself
   in the first recovery after step S, the instant Gloo connects it to the new world: the
-  survivors are mid mesh connection, the worst moment for a second death.
+  survivors are mid mesh connection, the worst moment for a second death. A watch that
+  missed the instant (unscheduled on a loaded machine) kills it as its ``hvd.init``
+  returns (the event says ``after_init``).
 * ``kill_syncing``: the same, the instant its ``hvd.init`` of the new world has returned:
   the survivors' Gloo meshes are complete and their sync's first collectives start.
 * ``kill_entering``: the same, as it starts building the new world's lifelines (after the
@@ -21,10 +23,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 
 ENV = "REGATTA_FAULTS"
+_KILLING = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,9 @@ class FaultPlan:
 
     @staticmethod
     def kill_now(events, step: int | None, **detail) -> None:
+        # once: the watch and the main thread can both reach their instant together; the
+        # second waits here for the signal
+        _KILLING.acquire()
         # The store, not only the JSONL, must learn of the kill: the dashboard measures
         # recovery from it. Pending rows first, so that the flush between the recorded
         # instant and the kill carries one row.
