@@ -121,3 +121,30 @@ def test_every_file_it_names_exists():
     assert "examples/files_cnn.py" in paths and "hostfiles/slurm_discover.sh" in paths
     missing = sorted(p for p in paths if not (ROOT / p).exists() and "<" not in p and "*" not in p)
     assert missing == []
+
+
+def measured_rows() -> list[tuple[str, list[str], str]]:
+    """The "Measured" table: (what, the command's words, date); "same" is the row above's."""
+    section = README.split("## Measured", 1)[1].split("\n## ", 1)[0]
+    rows, command = [], None
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or cells[0] in ("what", "---"):
+            continue
+        if cells[1] != "same":
+            command = shlex.split(cells[1].strip("`"))
+        rows.append((cells[0], command, cells[2]))
+    return rows
+
+
+@pytest.mark.parametrize("row", measured_rows(), ids=lambda r: r[0][:50])
+def test_every_measured_figure_names_a_date_and_a_command_that_runs(row):
+    what, command, date = row
+    assert re.fullmatch(r"20\d\d-\d\d-\d\d", date), (what, date)
+    assert command and command[0].startswith("bench/") and (ROOT / command[0]).exists(), (what, command)
+    known = options_of([PYTHON, command[0]])
+    assert set(flags(command[1:])) <= known, (what, set(flags(command[1:])) - known)
+
+
+def test_the_measured_table_is_read():
+    assert len(measured_rows()) >= 8
