@@ -71,6 +71,12 @@ def test_launch_targets(tmp_path):
     assert Target.parse("mypkg.train").python_args() == ["-m", "mypkg.train"]
     assert Target.parse(str(script)).python_args() == [str(script)]
     assert Target.from_python_args(["-m", "a.b"]) == Target("module", "a.b")
+    # a Horovod script parses its own command line (Regatta's flags go in REGATTA_ARGS);
+    # a job importing horovod.torch inside a function is not one (bench/throughput_worker.py)
+    assert Target.parse(str(ROOT / "examples" / "horovod_mnist_elastic.py")).keeps_command_line
+    assert Target.parse(str(ROOT / "tests" / "workers" / "horovod_mnist_elastic_stock.py")).keeps_command_line
+    assert not Target.parse(str(ROOT / "bench" / "throughput_worker.py")).keeps_command_line
+    assert not Target.parse("digits").keeps_command_line
     with pytest.raises(TargetError, match="missing.py does not exist"):
         Target.parse(str(tmp_path / "missing.py"))
     with pytest.raises(TargetError, match="defines no pipeline_job"):

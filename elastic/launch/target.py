@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-# A Horovod script (horovod.torch, or regatta.horovod in its place) parses its own command
-# line: Regatta's flags would be unknown to it, so they travel in REGATTA_ARGS instead.
-OWN_COMMAND_LINE = re.compile(r"^\s*(import\s+(horovod\.torch|regatta\.horovod)\b"
+# A Horovod script (horovod.torch, or regatta.horovod in its place, imported at its top
+# level) parses its own command line: Regatta's flags would be unknown to it, so they travel
+# in REGATTA_ARGS instead. A Regatta job that imports horovod.torch inside a function (a
+# bench's stock arm) takes Regatta's flags on its command line as any job does.
+OWN_COMMAND_LINE = re.compile(r"^(import\s+(horovod\.torch|regatta\.horovod)\b"
                               r"|from\s+(horovod\.torch|regatta\.horovod)(\.\w+)*\s+import\b"
                               r"|from\s+(horovod|regatta)\s+import\s+.*\b(torch|horovod)\b)", re.M)
 
