@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields as dataclass_fields
 
 import psutil
 
@@ -41,10 +41,14 @@ class StepRow:
 
     def record(self, run_id: str, step: int, world) -> dict:
         """The whole record: identity, measurements and detail (what callbacks get)."""
-        fields = {k: v for k, v in asdict(self).items() if k != "detail"}
+        # its fields are numbers: a shallow copy (asdict's deep one took 0.07 ms a step)
+        fields = {name: getattr(self, name) for name in _MEASURED}
         return {"run_id": run_id, "step": step, "wall_time": time.time(), "rank": world.rank,
                 "world_size": world.size, "host": world.host, "slot": world.slot,
                 **fields, **self.detail}
+
+
+_MEASURED = tuple(f.name for f in dataclass_fields(StepRow) if f.name != "detail")
 
 
 def store_row(record: dict, stored_optional: tuple = OPTIONAL_COLUMNS) -> dict:
