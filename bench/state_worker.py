@@ -17,12 +17,16 @@ A new worker's sync is simulated in a fixed world: one rank (the last) gives up 
 (it goes back to the commit, and holds no live state), so the whole state travels to it
 as it would to a newcomer: for regatta a stripe from each other rank's live state, for
 regatta-commit from the commit's shares, for stock Horovod's broadcast from rank 0.
-Memory is RSS after ``malloc_trim`` (so freed pages are not counted), on every rank,
-before and after the first commit (stock: ``TorchState(...)``, which saves; regatta: the
-first sync, which places the shares and commits), both after two steps so that Adam's
-moments exist. Step times are rank 0's. Each checkpoint round is ``--steps`` steps with no
-write in flight, the checkpoint, then every step while its background write is in flight
-(stock: none, its write is in the loop); the next round starts after the write.
+The commit's memory is RSS after ``malloc_trim`` (so freed pages are not counted), on
+every rank, before and after the first commit (stock: ``TorchState(...)``, which saves;
+regatta: the first sync, which places the shares and commits), both after two steps so
+that Adam's moments exist. At the end each rank reports its high-water mark (VmHWM), the
+shared memory it maps for checkpoint snapshots and its checkpoint writer process's own
+memory (rank 0's: USS and VmHWM). Step times are rank 0's. Each checkpoint round is
+``--steps`` steps with no write in flight, the checkpoint, then every step while its
+background write is in flight (stock: none, its write is in the loop); each is followed by
+its control, the same round with nothing written (A/B, A/B, ...), so that the bias of
+comparing a round's later steps with its first shows and is divided out.
 """
 from __future__ import annotations
 
@@ -206,21 +210,55 @@ def measure(flavour, repeats: int, steps: int) -> dict:
         last = hvd.rank() == hvd.size() - 1
         out["sync_new_s"].append(timed(lambda: flavour.restore(last, newcomer=last)))
     out["plain_s"], out["writing_s"], out["checkpoint_s"], out["write_s"] = [], [], [], []
+    out["control_plain_s"], out["control_after_s"] = [], []
     for _ in range(repeats):
-        out["plain_s"].append([timed(flavour.step) for _ in range(steps)])   # no write in flight
-        out["checkpoint_s"].append(timed(flavour.checkpoint))
-        out["writing_s"].append([])
-        # Every step the write overlaps is measured, however long the pacing spreads it;
-        # rank 0 alone knows, and says so outside the timed step.
-        while hvd.broadcast_object(flavour.writing(), root_rank=0, name="bench.writing"):
-            out["writing_s"][-1].append(timed(flavour.step))
-            if len(out["writing_s"][-1]) >= MAX_WRITING_STEPS:
-                break
-        flavour.wait()
+        write_round(flavour, steps, out)
+        # The control (B after A): the same round with nothing written, as many steps after
+        # as the write overlapped, so what the method itself does to the second half shows
+        out["control_plain_s"].append([timed(flavour.step) for _ in range(steps)])
         hvd.allreduce(torch.zeros(1), name="bench.barrier")
-        out["write_s"].append(flavour.written().get("write_s", out["checkpoint_s"][-1]))
-    out["peak_rss"] = psutil.Process().memory_info().rss
+        after = max(len(out["writing_s"][-1]), steps)
+        out["control_after_s"].append([timed(flavour.step) for _ in range(after)])
+        hvd.allreduce(torch.zeros(1), name="bench.barrier")
+    out.update(memory_at_end())
     return out
+
+
+def write_round(flavour, steps: int, out: dict) -> None:
+    """Plain steps, the checkpoint, then every step while its write is in flight."""
+    out["plain_s"].append([timed(flavour.step) for _ in range(steps)])   # no write in flight
+    out["checkpoint_s"].append(timed(flavour.checkpoint))
+    out["writing_s"].append([])
+    # Every step the write overlaps is measured, however long the pacing spreads it;
+    # rank 0 alone knows, and says so outside the timed step.
+    while hvd.broadcast_object(flavour.writing(), root_rank=0, name="bench.writing"):
+        out["writing_s"][-1].append(timed(flavour.step))
+        if len(out["writing_s"][-1]) >= MAX_WRITING_STEPS:
+            break
+    flavour.wait()
+    hvd.allreduce(torch.zeros(1), name="bench.barrier")
+    out["write_s"].append(flavour.written().get("write_s", out["checkpoint_s"][-1]))
+
+
+def memory_at_end() -> dict:
+    """This process's high-water mark (VmHWM: its peak resident memory, shared-memory pages
+    it touched included), the shared memory it maps for checkpoint snapshots, and what its
+    checkpoint writer process holds on its own (USS: pages no other process maps) and at
+    its peak."""
+    hwm = int(next(line for line in Path("/proc/self/status").read_text().splitlines()
+                   if line.startswith("VmHWM:")).split()[1]) * 1024
+    snapshot = 0
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if "memfd:regatta-checkpoint" in line:
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            snapshot += end - start
+    writer_uss = writer_hwm = 0
+    for child in psutil.Process().children(recursive=True):
+        if any("checkpoint_writer" in part for part in child.cmdline()):
+            writer_uss += child.memory_full_info().uss
+            status = Path(f"/proc/{child.pid}/status").read_text().splitlines()
+            writer_hwm += int(next(l for l in status if l.startswith("VmHWM:")).split()[1]) * 1024
+    return {"peak_rss": hwm, "snapshot_bytes": snapshot, "writer_uss": writer_uss, "writer_hwm": writer_hwm}
 
 
 def main() -> None:

@@ -104,8 +104,13 @@ def test_survivors_failed_with_buckets_in_flight(inflight):
         assert event["buckets"] >= 7
         assert event["step"] == kill["after_step"]    # rank 0's progress: steps done
         assert event["launched"] >= 1 and event["summed"] < event["buckets"]
-        # the sum that raised was the one configured: torch's Gloo group, or Horovod's
-        assert event["error"].startswith("gradient sums: ") == (sums == "gloo"), event["error"]
+        # The sum that raised was the one configured (torch's Gloo group, or Horovod's), or
+        # the lifeline's news of the death came first and backward stopped at the next
+        # gradient, with buckets still unsent.
+        if event["error"].startswith("a peer of this world died during the step"):
+            assert event["launched"] < event["buckets"], event
+        else:
+            assert event["error"].startswith("gradient sums: ") == (sums == "gloo"), event["error"]
     # How many buckets the survivors had summed is printed, not asserted: 16 MiB written by
     # the victim is its share of the first bucket sent, but whether the survivors finish
     # summing it depends on what was still in the sockets when it died (a process killed

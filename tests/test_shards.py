@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from elastic.dataparallel.snapshot import take
+from elastic.dataparallel.snapshot import merged, take
 from elastic.runtime.flat import Flat, tree_digest
 from elastic.runtime.shards import buddies, cover, covering_step, kept_by, shares
 
@@ -120,6 +120,35 @@ def test_any_covering_set_of_commit_shares_rebuilds_the_state(size):
     tree["objects"]["model"]["0.weight"].add_(1)
     again = take(Flat.of(tree), 12, list(commits[0].held), commits[0])
     assert all(again.held[r].data_ptr() == commits[0].held[r].data_ptr() for r in again.held)
+
+
+def test_a_commit_placed_for_a_new_world_reuses_the_old_commits_memory():
+    """3 ranks -> 2: a rank that held two thirds now holds all of it. The new ranges are
+    carved out of the old buffers (fresh memory costs its page faults, several times the
+    copy) and only the missing third is allocated; every byte is the new state's; back at
+    3 ranks, nothing is allocated at all."""
+    tree = state_tree()
+    flat = Flat.of(tree)
+    old = take(flat, 5, [shares(flat.total, 3)[k] for k in (0, 1)], None)
+    storages = {b.untyped_storage().data_ptr() for b in old.held.values()}
+    tree["objects"]["model"]["0.weight"].add_(1)
+    flat = Flat.of(tree)
+    two = shares(flat.total, 2)
+    new = take(flat, 6, two, old)
+    assert merged(new.held) == [(0, flat.total)] and new.held_bytes == flat.total
+    reused = [b for b in new.held.values() if b.untyped_storage().data_ptr() in storages]
+    assert sum(b.numel() for b in reused) == old.held_bytes    # all of it, none wasted
+    for (start, end), buffer in new.held.items():
+        assert torch.equal(buffer, flat.read(start, end, torch.empty(end - start, dtype=torch.uint8)))
+    parts = cover([{"rank": 0, **new.summary()}], 6)
+    rebuilt = Flat.empty(new.skeleton)
+    for part in parts:
+        rebuilt.write(part.start, new.piece(part.held, part.start, part.end))
+    assert tree_digest(rebuilt.tree()) == tree_digest(tree)
+    back = take(flat, 7, [shares(flat.total, 3)[k] for k in (0, 1)], new)
+    grown = {b.untyped_storage().data_ptr() for b in new.held.values()}
+    assert all(b.untyped_storage().data_ptr() in grown for b in back.held.values())
+    assert merged(back.held) == [(0, shares(flat.total, 3)[1][1])]
 
 
 def test_a_survivor_receives_straight_into_its_live_tensors():

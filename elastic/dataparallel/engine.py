@@ -94,7 +94,8 @@ class DataParallelEngine:
             reducer = BucketReducer(trained(state.model), world.rank, world.size, sums,
                                     bucket_bytes=self.bucket_bytes,
                                     compression=self.cfg.compression,
-                                    expected_count=self.cfg.global_batch)
+                                    expected_count=self.cfg.global_batch,
+                                    broken=self.runtime.world_broken)
             self._reducer = (world, reducer)
         return self._reducer[1]
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -46,11 +47,14 @@ class Reduced:
 
 class BucketReducer:
     def __init__(self, params: list[torch.nn.Parameter], rank: int, size: int, collectives,
-                 bucket_bytes: int = 25 << 20, compression: str = "none", expected_count: int = 1):
+                 bucket_bytes: int = 25 << 20, compression: str = "none", expected_count: int = 1,
+                 broken: Callable[[], bool] = lambda: False):
         """``expected_count``: the global loss-term count to expect on the first step (the
-        same on every rank, e.g. the global batch); later steps expect the last one's."""
+        same on every rank, e.g. the global batch); later steps expect the last one's.
+        ``broken()``: whether a peer has died in this world; backward then stops at the
+        next gradient with HorovodInternalError (the step is redone in the new world)."""
         self.params, self.rank, self.size = params, rank, size
-        self.collectives = collectives
+        self.collectives, self._broken = collectives, broken
         self._last_count = max(1, expected_count)
         self._hooks, self._armed, self._finishing = [], False, 0.0
         self.buckets: list[Bucket] = []
@@ -146,6 +150,8 @@ class BucketReducer:
     # -- inside backward ----------------------------------------------------------------------
     def _hook(self, index: int):
         def on_gradient(param: torch.Tensor) -> None:
+            if self._broken():
+                abandon()
             if not self._armed:
                 return
             bucket, position = self._where[index]
@@ -219,6 +225,14 @@ class BucketReducer:
             else:
                 param.grad.div_(max(agreed.count, 1))
         return Reduced(agreed, 0)
+
+
+def abandon() -> None:
+    """Stop this backward: a peer died, so its sums cannot complete. The error is the one a
+    failed collective raises, so the step is handled as any failed step (nothing of it
+    was applied); the rest of the backward, seconds for a large model, is not computed."""
+    from horovod.common.exceptions import HorovodInternalError
+    raise HorovodInternalError("a peer of this world died during the step: its backward is abandoned")
 
 
 def _ended(request) -> bool:

@@ -46,20 +46,47 @@ class Commit:
 
 
 def take(flat: Flat, step: int, ranges: list[tuple[int, int]], previous: Commit | None) -> Commit:
-    """Commit ``ranges`` of ``flat``. Buffers of ``previous`` with the same range are
-    written in place (a pinned allocation is slow, and RSS stays flat); the previous
-    commit is gone afterwards."""
+    """Commit ``ranges`` of ``flat``, written over ``previous``'s buffers (the previous
+    commit is gone afterwards): a range it held takes its buffer, the others are carved out
+    of what is left of them, and only what they cannot hold is allocated. Fresh host
+    memory costs its page faults (584 MiB copied in 0.26-1.03 s during a recovery here,
+    against 0.12-0.14 s into memory already mapped; a pinned allocation is slower still),
+    and RSS stays flat. A carved range is held as several pieces."""
     pin = flat.on_cuda
     spare = dict(previous.held) if previous is not None else {}
-    held = {}
-    for start, end in dict.fromkeys(ranges):
-        buffer = spare.pop((start, end), None)
-        if buffer is None:
-            buffer = torch.empty(end - start, dtype=torch.uint8, pin_memory=pin)
-        held[start, end] = flat.read(start, end, buffer)
+    wanted = list(dict.fromkeys(ranges))
+    kept = {rng: spare.pop(rng) for rng in wanted if rng in spare}
+    memory = list(spare.values())
+    pieces = {}
+    for start, end in wanted:
+        if (start, end) in kept:
+            pieces[start, end] = kept[start, end]
+            continue
+        while start < end:
+            if memory:
+                free = memory.pop(0)
+                if free.numel() > end - start:
+                    memory.insert(0, free[end - start:])
+                buffer = free[:end - start]
+            else:
+                buffer = torch.empty(end - start, dtype=torch.uint8, pin_memory=pin)
+            pieces[start, start + buffer.numel()] = buffer
+            start += buffer.numel()
+    held = {(start, end): flat.read(start, end, buffer) for (start, end), buffer in pieces.items()}
     if pin:
         torch.cuda.synchronize()
     return Commit(step=step, skeleton=flat.skeleton, total=flat.total, held=held)
+
+
+def merged(ranges) -> list[tuple[int, int]]:
+    """``ranges`` sorted, adjacent and overlapping ones joined: what bytes they cover."""
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
 
 
 def gather(parts: list[Part], rank: int, hvd, provide: Callable[[Part, int, int, torch.Tensor], torch.Tensor],

@@ -91,13 +91,13 @@ class TrainState(RuntimeState):
         if self.runtime.world.is_root and self.runtime.cfg.checkpoint_every \
                 and flat.total >= PROCESS_MIN_BYTES:
             self._writer.start()    # its imports now, not inside the first checkpoint
-        ranges = self._my_ranges(flat.total)
-        held = self._commit is not None and list(self._commit.held) == list(dict.fromkeys(ranges))
+        ranges = list(dict.fromkeys(self._my_ranges(flat.total)))
+        held = self._commit is not None and snapshot.merged(self._commit.held) == snapshot.merged(ranges)
         if not (held and self._current and self._commit.total == flat.total):
             self._commit = snapshot.take(flat, self.step, ranges, self._commit)
         # else: the live state was just loaded from (or is) this very commit
         return {"epoch": self.cursor.epoch, "consumed": self.cursor.consumed,
-                "held": [list(r) for r in self._commit.held], "held_bytes": self._commit.held_bytes,
+                "held": [list(r) for r in ranges], "held_bytes": self._commit.held_bytes,
                 "state_bytes": flat.total}
 
     def _my_ranges(self, total: int) -> list[tuple[int, int]]:

@@ -81,6 +81,7 @@ class FastRecovery:
         self.state = None               # the training state a replacement gets (adopt)
         self.entered = False            # this process holds the job's state (it synced)
         self._armed = False             # training: the next death severs Gloo
+        self._broken = threading.Event()   # a peer of the world entered died (world_broken)
         self._forming = False           # from before_init until enter's lifelines: the world re-forms
         self._building = False          # enter is building the lifelines (self.gloo is this world's)
         self._episode = 0               # which re-forming (each has its own watch)
@@ -199,6 +200,7 @@ class FastRecovery:
         self._forming = self._building = False
         self._withdraw()
         restart.hand_lifelines_to_agent(list(self.lifeline.peers))
+        self._broken.clear()
         self._armed = True
         self.events.record("lifeline", None, peers=len(self.lifeline.peers),
                            gloo_sockets=len(self.gloo))
@@ -210,6 +212,12 @@ class FastRecovery:
             self.lifeline.close(goodbye=True)
             self.lifeline = None
 
+    def world_broken(self) -> bool:
+        """A peer of the world this rank trains in has died: the step in progress can no
+        longer be summed, so computing the rest of it only delays the recovery (at 100M
+        parameters x Adam a backward takes seconds here)."""
+        return self._broken.is_set()
+
     # -- deaths and stalls ------------------------------------------------------------------
     def _on_death(self, rank: int, host: str, how: str, when: float) -> None:
         if how == "timeout" and not restart.driver_reachable():
@@ -220,6 +228,7 @@ class FastRecovery:
             leave_now(self.events, restart.CUT_OFF_EXIT)
         if self._armed:
             self._armed = False   # one reset per generation: the rest is the recovery's
+            self._broken.set()
             severed = sever(self.gloo)
             self.events.record("peer_lost", self.heartbeat.step, peer_rank=rank, target=host,
                                severed=severed, how=how)

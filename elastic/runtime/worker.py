@@ -328,6 +328,11 @@ class Runtime:
             self.world = World.from_horovod(self.hvd, self.env.host, generation=self.entries)
             self.events.rank = self.world.rank
 
+    def world_broken(self) -> bool:
+        """Whether a peer of the current world was seen dying (fast recovery only): an
+        engine abandons the step it is computing, which cannot complete."""
+        return self.recovery is not None and self.recovery.world_broken()
+
     def before_reset(self) -> None:
         """Membership is about to change: lifelines must not call it a death."""
         if self.recovery:

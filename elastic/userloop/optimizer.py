@@ -111,7 +111,8 @@ class Reducing:
         reducer = BucketReducer(params, world.rank, world.size, collectives,
                                 bucket_bytes=int(self._session.cfg.bucket_mb * 2 ** 20),
                                 compression=self._compression,
-                                expected_count=world.size if self._average else 1)
+                                expected_count=world.size if self._average else 1,
+                                broken=self._session.runtime.world_broken)
         reducer.before_backward(last=True)
         self._reducer = (world, reducer)
 
