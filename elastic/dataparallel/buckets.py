@@ -76,7 +76,10 @@ class Bucket:
     ``extra`` (``extra_len`` elements at the buffer's end, when asked) rides along (the
     step's agreement vector)."""
 
-    def __init__(self, index: int, params: list[torch.Tensor], dtype: torch.dtype, extra_len: int = 0):
+    def __init__(self, index: int, params: list[torch.Tensor], dtype: torch.dtype, extra_len: int = 0,
+                 memory: torch.Tensor | None = None):
+        """``memory``: a buffer of an earlier world's bucket to hold this one's (its values
+        are never read: every gradient is written in before the bucket is sent)."""
         self.index, self.params = index, params
         self.name = f"regatta.grad.{index}"
         self.offsets, total = [], 0
@@ -84,7 +87,8 @@ class Bucket:
             self.offsets.append(total)
             total += param.numel()
         self.total = total
-        self.flat = torch.zeros(total + extra_len, dtype=dtype, device=params[0].device)
+        self.flat = memory[:total + extra_len] if memory is not None else \
+            torch.zeros(total + extra_len, dtype=dtype, device=params[0].device)
         self.narrow = dtype != params[0].dtype   # compressed: cast in, cast back
         self.extra = self.flat[total:] if extra_len else None
         self.nbytes = self.flat.numel() * self.flat.element_size()

@@ -41,6 +41,7 @@ class DataParallelEngine:
         self._reducer: tuple | None = None    # (the world it was made for, reducer)
         self._gloo = False                      # the buckets summed over a torch.distributed group
         self._sums: GlooSums | None = None      # and this world's group
+        self._spare: list = []                  # the last world's bucket buffers, free to reuse
 
     def build(self, runtime) -> TrainState:
         self.runtime = runtime
@@ -88,6 +89,7 @@ class DataParallelEngine:
         world = self.runtime.world
         if self._reducer is None or self._reducer[0] != world:
             self.leave_world()
+            spare, self._spare = self._spare, []
             sums = self.runtime.collectives
             if world.size > 1 and self._gloo:
                 self._sums = sums = GlooSums(world, self.runtime.collectives, self.runtime.env)
@@ -95,7 +97,7 @@ class DataParallelEngine:
                                     bucket_bytes=self.bucket_bytes,
                                     compression=self.cfg.compression,
                                     expected_count=self.cfg.global_batch,
-                                    broken=self.runtime.world_broken)
+                                    broken=self.runtime.world_broken, spare=spare)
             self._reducer = (world, reducer)
         return self._reducer[1]
 
@@ -111,11 +113,13 @@ class DataParallelEngine:
     def leave_world(self) -> None:
         """Before a reset and at the end: the torch.distributed group of the buckets' sums
         belongs to this world alone, and so does the reducer made for it. A reducer over
-        Horovod outlives a reset that gives back the same world."""
+        Horovod outlives a reset that gives back the same world. The closed reducer's
+        bucket buffers that nothing writes into any more wait for the next one."""
         if self._reducer is not None:
             world_gone = self._reducer[0] != self.runtime.world
             if world_gone or self._sums is not None:   # closed before the group it sums over
                 self._reducer[1].close()
+                self._spare = self._reducer[1].released()
                 self._reducer = None
         if self._sums is not None:
             self._sums.close()
@@ -136,6 +140,7 @@ class DataParallelEngine:
         if self.batches is not None:
             self.batches.close()
         self.leave_world()
+        self._spare = []
         world = self.runtime.world
         mine = {"host": world.host, "slot": world.slot, "rank": world.rank,
                 "world_size": world.size, "step": state.step,

@@ -48,15 +48,18 @@ class Reduced:
 class BucketReducer:
     def __init__(self, params: list[torch.nn.Parameter], rank: int, size: int, collectives,
                  bucket_bytes: int = 25 << 20, compression: str = "none", expected_count: int = 1,
-                 broken: Callable[[], bool] = lambda: False):
+                 broken: Callable[[], bool] = lambda: False, spare: list[torch.Tensor] = ()):
         """``expected_count``: the global loss-term count to expect on the first step (the
         same on every rank, e.g. the global batch); later steps expect the last one's.
-        ``broken()``: whether a peer has died in this world; backward then stops at the
+        ``spare``: an earlier world's bucket buffers (``released``), to hold this one's
+        buckets where they fit: fresh memory costs its page faults (800 MB at 200M
+        parameters). ``broken()``: whether a peer has died in this world; backward then stops at the
         next gradient with HorovodInternalError (the step is redone in the new world)."""
         self.params, self.rank, self.size = params, rank, size
         self.collectives, self._broken = collectives, broken
         self._last_count = max(1, expected_count)
         self._hooks, self._armed, self._finishing = [], False, 0.0
+        self._released: list[torch.Tensor] = []   # close's: buffers free for the next world
         self.buckets: list[Bucket] = []
         self._flying: list[Bucket] = []    # launched this step, not yet seen complete
         self._next = 0                       # the first bucket of the plan not launched yet
@@ -65,11 +68,18 @@ class BucketReducer:
             return   # nothing to send: finish only divides
         control_len = HEADER + size
         plan = plan_buckets(params, bucket_bytes)
+        spare = list(spare)
         for index, members in enumerate(plan):
             first = params[members[0]]
             dtype = wire_dtype(first.dtype, compression)
             carries = index == len(plan) - 1 and dtype == first.dtype and dtype in (torch.float32, torch.float64)
-            bucket = Bucket(index, [params[i] for i in members], dtype, control_len if carries else 0)
+            extra = control_len if carries else 0
+            needed = sum(params[i].numel() for i in members) + extra
+            fits = next((m for m in spare if m.dtype == dtype and m.device == first.device
+                         and m.numel() >= needed), None)
+            if fits is not None:
+                spare.remove(fits)
+            bucket = Bucket(index, [params[i] for i in members], dtype, extra, memory=fits)
             self.buckets.append(bucket)
             for position, param_index in enumerate(members):
                 self._where[param_index] = (bucket, position)
@@ -139,13 +149,23 @@ class BucketReducer:
         for hook in self._hooks:
             hook.remove()
         self._hooks, self._armed = [], False
+        self._released = []
         for bucket in self.buckets:
             if bucket.request is not None and _ended(bucket.request):   # never block here
                 try:
                     bucket.request.wait()
                 except Exception:  # noqa: BLE001 - the failure was already handled
                     pass
+                bucket.request = None
+            if bucket.request is None:   # nothing can still write into it
+                self._released.append(bucket.flat)
             bucket.request = None
+
+    def released(self) -> list[torch.Tensor]:
+        """After ``close``: the buckets' buffers that no collective of this world can still
+        write into (one still in flight when it closed is left to its collective), for
+        the next world's reducer (``spare``)."""
+        return self._released
 
     # -- inside backward ----------------------------------------------------------------------
     def _hook(self, index: int):
