@@ -1,7 +1,7 @@
 """Recovery speed side by side in one run: Regatta vs a stock Horovod elastic loop, and
 a Dataset read by DataLoader workers vs the same job read in-process.
 
-    .venv/bin/python bench/bench_recovery.py [--repeats 5] [--data tensors|loader]
+    .venv/bin/python bench/bench_recovery.py [--repeats 5] [--data tensors|loader] [--scenarios failure/sigkill]
 
 Every arm runs under the same real `horovodrun` on simulated hosts (regatta local), the
 arms alternating run by run so that load drifts hit them alike. Recovery is the time from
@@ -72,8 +72,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--data", choices=sorted(ARMS), default="tensors")
+    parser.add_argument("--scenarios", default="", help="a comma list of the data's scenarios "
+                        "(failure/sigkill, failure/kill, addition; default: all)")
     args = parser.parse_args()
     scenarios, arms = (TENSORS if args.data == "tensors" else LOADER), ARMS[args.data]
+    chosen = [s for s in args.scenarios.split(",") if s]
+    unknown = sorted(set(chosen) - set(scenarios))
+    if unknown:
+        parser.error(f"--scenarios: no {', '.join(unknown)} for --data {args.data} "
+                     f"(it has {', '.join(scenarios)})")
+    scenarios = {s: launch for s, launch in scenarios.items() if not chosen or s in chosen}
     times = {(s, a): [] for s in scenarios for a in arms}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import horovod.torch as hvd
 import torch
 
 from elastic.runtime.events import EventLog, Progress
@@ -22,6 +21,9 @@ from jobs.digits import DigitsConfig, DigitsJob
 
 
 def main() -> None:
+    # Imported here, not at the top: a script importing horovod.torch at its top is taken
+    # for a Horovod script, whose flags would come in REGATTA_ARGS (elastic/launch/target.py)
+    import horovod.torch as hvd
     config = parse("stock_elastic", {"model": DigitsConfig},
                    toml=str(Path(__file__).resolve().parents[1] / "jobs" / "digits.toml"))
     cfg, job = config["train"], DigitsJob(config["model"])
@@ -57,7 +59,7 @@ def main() -> None:
             if first:
                 events.record("resumed", state.step, size=hvd.size())
                 first = False
-            if state.step % cfg.commit_every == 0:
+            if state.step % (cfg.fixed_commit_every or 10) == 0:   # "auto" is Regatta's alone
                 state.commit()
 
     train(state)

@@ -76,6 +76,9 @@ def test_launch_targets(tmp_path):
     assert Target.parse(str(ROOT / "examples" / "horovod_mnist_elastic.py")).keeps_command_line
     assert Target.parse(str(ROOT / "tests" / "workers" / "horovod_mnist_elastic_stock.py")).keeps_command_line
     assert not Target.parse(str(ROOT / "bench" / "throughput_worker.py")).keeps_command_line
+    # the benches' stock Horovod loops take Regatta's flags too (bench_recovery's had run
+    # 700 steps of defaults with no events, its --run-dir in REGATTA_ARGS)
+    assert not Target.parse("bench.stock_elastic").keeps_command_line
     assert not Target.parse("digits").keeps_command_line
     with pytest.raises(TargetError, match="missing.py does not exist"):
         Target.parse(str(tmp_path / "missing.py"))
