@@ -53,8 +53,9 @@ class BucketReducer:
         same on every rank, e.g. the global batch); later steps expect the last one's.
         ``spare``: an earlier world's bucket buffers (``released``), to hold this one's
         buckets where they fit: fresh memory costs its page faults (800 MB at 200M
-        parameters). ``broken()``: whether a peer has died in this world; backward then stops at the
-        next gradient with HorovodInternalError (the step is redone in the new world)."""
+        parameters). ``broken()``: whether a peer has died in this world; backward then
+        stops at the next gradient with HorovodInternalError (the step is redone in the
+        new world)."""
         self.params, self.rank, self.size = params, rank, size
         self.collectives, self._broken = collectives, broken
         self._last_count = max(1, expected_count)
