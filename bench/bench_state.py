@@ -135,6 +135,8 @@ def summarise(ranks: list[dict]) -> dict:
         "writer_peak_mb": [root["writer_hwm"] / MB],
         # everything the flavour held at once, at most: every rank's peak and the writer's own
         "job_peak_mb": [sum(r["peak_rss"] + r["writer_uss"] for r in ranks) / MB],
+        "newcomer": [n for r in ranks for n in r.get("newcomer", [])],
+        "p2p_gbps": [v for r in ranks for v in r.get("p2p_gbps", [])], "cores": root.get("cores", 1),
     }
 
 
@@ -167,9 +169,26 @@ def report(params: int, dp: int, results: dict) -> dict:
               + (f", pooled {slowdown['pooled']:.3f}" if slowdown["overlapped"] else ""))
         print(f"{'':30s}each round (write / control): " + " ".join(
             f"{r:.3f}/{c:.3f}" for r, c in zip(slowdown["ratios"], slowdown["controls"])))
+    report_transfer(ours)
     return {"memory_ratio": statistics.median(ours["commit_mb"]) / statistics.median(stock["commit_mb"]),
             "job_memory_ratio": ours["job_peak_mb"][0] / stock["job_peak_mb"][0],
             "slowdown": percentile(ours["slowdown"]["corrected"], 0.5)}
+
+
+def report_transfer(ours: dict) -> None:
+    """The newcomer's transfer against the link's bound (state_worker.py says how each is
+    measured)."""
+    if not ours["newcomer"] or not ours["p2p_gbps"]:
+        return
+    rates = [n["bytes"] / n["seconds"] / 1e9 for n in ours["newcomer"]]
+    senders = ours["newcomer"][0]["senders"]
+    at_once = max(1, min(senders, ours["cores"] - 1))
+    link = statistics.median(ours["p2p_gbps"])
+    bound = link * at_once
+    print(f"newcomer's transfer, regatta: {distribution(rates)} GB/s ({ours['newcomer'][0]['bytes'] / 1e9:.2f} GB "
+          f"from {senders} senders); one loopback TCP stream {distribution(ours['p2p_gbps'])} GB/s x "
+          f"{at_once} sender(s) at once on {ours['cores']} cores = bound {bound:.2f} GB/s; "
+          f"p50 / bound {statistics.median(rates) / bound:.2f}")
 
 
 def distribution(values: list[float]) -> str:

@@ -27,6 +27,12 @@ memory (rank 0's: USS and VmHWM). Step times are rank 0's. Each checkpoint round
 background write is in flight (stock: none, its write is in the loop); each is followed by
 its control, the same round with nothing written (A/B, A/B, ...), so that the bias of
 comparing a round's later steps with its first shows and is divided out.
+
+The newcomer's transfer (regatta: the bytes it received over the seconds they took, from
+the sync's own account) is held against a bound measured in the same job: one TCP
+stream over loopback from rank 0 to the last rank (the link Gloo's connections use here),
+GB/s, times the senders the machine can run at once (a core for each sender beside the
+receiver's: ``min(senders, cores - 1)``, at least 1).
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ import argparse
 import ctypes
 import json
 import os
+import socket
 import statistics
 import tempfile
 import time
@@ -111,10 +118,11 @@ class Stock:
     def commit(self) -> None:
         self.state.save()
 
-    def restore(self, me: bool, newcomer: bool = False) -> None:
+    def restore(self, me: bool, newcomer: bool = False) -> dict:
         if me:
             self.state.restore()
         self.state.sync()
+        return {}
 
     def checkpoint(self) -> None:
         if hvd.rank() == 0:
@@ -165,16 +173,17 @@ class Regatta:
     def commit(self) -> None:
         self.state.save()
 
-    def restore(self, me: bool, newcomer: bool = False) -> None:
+    def restore(self, me: bool, newcomer: bool = False) -> dict:
         cfg = self.runtime.cfg
         configured = cfg.recover_from
         if newcomer:
             cfg.recover_from = "commit"    # this rank goes back to the commit: no live state
         if me:
             self.state.restore_committed()
-        self.state.sync_state()
+        detail = self.state.sync_state()
         cfg.recover_from = configured
         self.engine.enter(self.state)      # the loader restarts from the restored cursor
+        return detail
 
     def checkpoint(self) -> None:
         self.runtime.checkpoint(self.state)
@@ -200,7 +209,7 @@ def measure(flavour, repeats: int, steps: int) -> dict:
     before = rss()
     flavour.first_commit()
     out["commit_rss"] = rss() - before
-    out["commit_s"], out["restore_s"], out["sync_new_s"] = [], [], []
+    out["commit_s"], out["restore_s"], out["sync_new_s"], out["newcomer"] = [], [], [], []
     for _ in range(repeats):
         flavour.step()
         hvd.allreduce(torch.zeros(1), name="bench.barrier")
@@ -208,7 +217,11 @@ def measure(flavour, repeats: int, steps: int) -> dict:
         flavour.step()
         out["restore_s"].append(timed(lambda: flavour.restore(True)))
         last = hvd.rank() == hvd.size() - 1
-        out["sync_new_s"].append(timed(lambda: flavour.restore(last, newcomer=last)))
+        detail = {}
+        out["sync_new_s"].append(timed(lambda: detail.update(flavour.restore(last, newcomer=last))))
+        if last and detail.get("transfer_s"):
+            out["newcomer"].append({"bytes": detail["moved_bytes"], "seconds": detail["transfer_s"],
+                                    "senders": len(detail["senders"])})
     out["plain_s"], out["writing_s"], out["checkpoint_s"], out["write_s"] = [], [], [], []
     out["control_plain_s"], out["control_after_s"] = [], []
     for _ in range(repeats):
@@ -238,6 +251,38 @@ def write_round(flavour, steps: int, out: dict) -> None:
     flavour.wait()
     hvd.allreduce(torch.zeros(1), name="bench.barrier")
     out["write_s"].append(flavour.written().get("write_s", out["checkpoint_s"][-1]))
+
+
+def p2p_gbps(nbytes: int = 256 << 20, repeats: int = 3) -> list[float]:
+    """GB/s of one TCP stream over loopback from rank 0 to the last rank, ``repeats``
+    times ``nbytes`` (on those two ranks; an empty list elsewhere)."""
+    last = hvd.size() - 1
+    listener = None
+    if hvd.rank() == 0:
+        listener = socket.create_server(("127.0.0.1", 0))
+    port = hvd.broadcast_object(listener.getsockname()[1] if listener else None, name="bench.p2p.port")
+    rates = []
+    if hvd.rank() in (0, last) and last > 0:
+        buffer = bytearray(nbytes)    # touched, so page faults are not timed
+        if hvd.rank() == 0:
+            peer, _ = listener.accept()
+            with peer:
+                for _ in range(repeats):
+                    peer.sendall(buffer)
+                    peer.recv(1)       # the receiver has it all
+        else:
+            with socket.create_connection(("127.0.0.1", port)) as peer:
+                view = memoryview(buffer)
+                for _ in range(repeats):
+                    started, got = time.perf_counter(), 0
+                    while got < nbytes:
+                        got += peer.recv_into(view[got:])
+                    rates.append(nbytes / (time.perf_counter() - started) / 1e9)
+                    peer.sendall(b"k")
+    if listener is not None:
+        listener.close()
+    hvd.allreduce(torch.zeros(1), name="bench.p2p.done")
+    return rates
 
 
 def memory_at_end() -> dict:
@@ -277,7 +322,9 @@ def main() -> None:
             flavour = Stock(job, Path(folder))
         else:
             flavour = Regatta(job, Path(folder), "commit" if args.flavour == "regatta-commit" else "live")
+        p2p = p2p_gbps()
         out = measure(flavour, args.repeats, args.steps)
+        out["p2p_gbps"], out["cores"] = p2p, os.cpu_count()
         out["params"] = sum(p.numel() for p in flavour.model.parameters())
         if args.flavour != "stock":
             flavour.runtime.close()

@@ -15,7 +15,7 @@ from elastic.runtime.events import read_events
 from monitor.store import Store
 
 UNAVAILABLE = netns.available()
-# the module fixtures run whole jobs (the abort race up to 3 of them) in a test's setup
+# the module fixtures run whole jobs (the abort race up to ATTEMPTS of them) in a test's setup
 pytestmark = [pytest.mark.skipif(bool(UNAVAILABLE), reason=UNAVAILABLE),
               pytest.mark.timeout(600)]
 
@@ -97,6 +97,7 @@ def test_the_survivor_continues_from_its_live_state_or_its_last_commit(double_ki
 
 
 GLOO_ABORT = "terminate called after throwing an instance of 'gloo::IoException'"
+ATTEMPTS = 10
 
 
 @pytest.fixture(scope="module")
@@ -108,16 +109,20 @@ def killed_connecting(tmp_path_factory):
     initialisation (its init, a collective or the lifelines fail: the ordinary path; now and
     then host 4 itself is past it before it counts its connections, and dies as its init
     returns).
-    Measured here, Gloo aborted someone in 6 runs of 17, so the run is repeated, up to 3
-    times, until it does. Every attempt must recover, whichever place each survivor was
-    in. The agent's side of the abort path is tested without a race in test_agent.py.
+    Measured here, Gloo aborted someone in 6 runs of 17 (and 5 of 11 on 2026-12-07, the
+    kill at its first, its global mesh's last or its last connection alike: in the others
+    every survivor was still in the rendezvous, saw the restart mark within 0.1 s and
+    asked to be replaced), so the run is repeated until it does, up to ATTEMPTS times
+    (about 18 s each; at 0.45 a run all of them miss 1 time in 400), and the abort test
+    fails if none did. Every attempt must recover, whichever place each survivor was in.
+    The agent's side of the abort path is tested without a race in test_agent.py.
 
     An attempt that lost a worker before either kill struck never reached the race (seen
     once on a loaded machine: horovodrun's rendezvous server dropped a starting worker's
     registration after its 3 s request timeout, and the host was gone before step 60); it is
     run again, at most twice."""
     attempts, lost_at_start = [], []
-    while len(attempts) < 3:
+    while len(attempts) < ATTEMPTS:
         tmp = tmp_path_factory.mktemp("connecting")
         report = tmp / "report.json"
         done = run([str(BIN / "regatta"), "local", "digits", "--hosts", "5", "--steps", "120",
@@ -161,13 +166,16 @@ def test_every_attempt_finishes_on_the_survivors(killed_connecting):
 
 
 def test_survivors_aborted_by_gloo_are_replaced_with_their_commits(killed_connecting):
-    done, report, log, _ = [a for a in killed_connecting if len(kinds(a[1], "kill_injected")) == 2][-1]
+    reached = [a for a in killed_connecting if GLOO_ABORT in a[2]]
+    assert reached, (f"Gloo aborted no survivor in {len(killed_connecting)} attempts: the race "
+                     "this test guards was never reached")
+    done, report, log, _ = reached[-1]
     # The second death came while survivors were in Horovod's first collectives: Gloo
     # aborted them (the race this guards; one already past them just fails a collective;
     # one still in the rendezvous sees the restart mark and asks to be replaced), and none
     # was counted failed for it: each was replaced with the commit it had.
     aborted = log.count(GLOO_ABORT)
-    assert aborted <= 3
+    assert 1 <= aborted <= 3
     assert "failure count" not in log and "Wait timeout" not in log
     first, second = (e for e in kinds(report, "kill_injected"))
     assert (first["host"], second["host"], second["connecting"]) == ("127.0.0.3", "127.0.0.5", True)
@@ -351,6 +359,9 @@ def test_a_death_while_a_host_joins_keeps_the_added_host(race, request):
     assert "Wait timeout" not in log
     (kill,) = kinds(report, "kill_injected")
     assert (kill["host"], kill.get("connecting") or kill.get("syncing")) == ("127.0.0.2", True)
+    # the watch caught Gloo connecting in one of the attempts, else the race was not reached
+    assert race == "killed_joined" or not kill.get("after_init"), \
+        "in 3 attempts the kill came as the init returned, never as Gloo connected"
     # Failed twice in a fresh clone's full suite, never alone (8 of 8 here, 4 of them beside
     # two busy loops): once in world 2, once with no commit covered among the ranks left
     # ("steps held: [40]", no checkpoint yet) on 2026-12-06. What left the world, and the

@@ -25,6 +25,7 @@ GradScaler, the user's own), plus the step and the sampler cursor.
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -173,16 +174,18 @@ class TrainState(RuntimeState):
         parts = [Part(owner=owner, start=start, end=end, held=(start, end))
                  for owner, (start, end) in zip(plan.sources, shares(total, len(plan.sources)))
                  if end > start]
-        self._receive(parts, skeleton, rank in plan.needs, flat, on_cuda)
-        return {**detail, "moved_bytes": total}
+        seconds = self._receive(parts, skeleton, rank in plan.needs, flat, on_cuda)
+        return {**detail, "moved_bytes": total, "transfer_s": seconds}
 
     def _receive(self, parts: list[Part], skeleton, receives: bool, holder: Flat | None,
-                 on_cuda: bool, held: snapshot.Commit | None = None) -> None:
+                 on_cuda: bool, held: snapshot.Commit | None = None) -> float:
         """Each part from its owner, into this rank's live state where it ``receives``.
         ``holder``: this rank's live state where it holds the state sent; ``held``: the
         commit whose shares the owners send instead. In place on host tensors; through a
-        (pinned) host buffer for a CUDA state."""
+        (pinned) host buffer for a CUDA state. The seconds the bytes took to arrive (the
+        sync's event holds them beside the bytes: its achieved bandwidth)."""
         rank, hvd = self.runtime.world.rank, self.runtime.hvd
+        started = time.perf_counter()
         with self._receiving:
             target = None
             if receives:
@@ -195,8 +198,10 @@ class TrainState(RuntimeState):
             else:
                 provide = None if held is None else lambda part, start, end: held.piece(part.held, start, end)
                 snapshot.spread(parts, target if target is not None else holder, rank, hvd, provide)
+            arrived = time.perf_counter() - started
             if target is not None:
                 self._load(target.tree())
+        return round(arrived, 4)
 
     def _from_memory(self, items: list[dict], step: int, inventory: list[dict]) -> dict:
         """Reassemble commit ``step`` on the ranks whose live state is not already it."""
@@ -213,9 +218,10 @@ class TrainState(RuntimeState):
             (mine.skeleton, Flat.of(self.live()).on_cuda) if rank == root else None,
             "regatta.dp.skeleton", root=root)
         # a rank not receiving holds the commit live: its tensors take the bytes
-        self._receive(parts, skeleton, needs[rank], None if needs[rank] else Flat.of(self.live()),
-                      on_cuda, held=mine)
-        return {**detail, "recovery": "restored_commit", "moved_bytes": parts[-1].end if parts else 0}
+        seconds = self._receive(parts, skeleton, needs[rank], None if needs[rank] else Flat.of(self.live()),
+                                on_cuda, held=mine)
+        return {**detail, "recovery": "restored_commit", "moved_bytes": parts[-1].end if parts else 0,
+                "transfer_s": seconds}
 
     def _from_root(self, items: list[dict]) -> dict:
         """Rank 0's live state everywhere: a fresh start, or after reloading the durable
@@ -233,8 +239,9 @@ class TrainState(RuntimeState):
         if error:
             raise checkpoint.CheckpointError(error)
         parts = [Part(owner=0, start=0, end=total, held=(0, total))]
-        self._receive(parts, skeleton, rank != 0, flat, on_cuda)
+        seconds = self._receive(parts, skeleton, rank != 0, flat, on_cuda)
         return {"source": "checkpoint" if lost else "root", "from_step": self.step, "moved_bytes": total,
+                "transfer_s": seconds,
                 **({"recovery": "restored_checkpoint"} if lost else {})}
 
     def _target(self, skeleton) -> Flat:
