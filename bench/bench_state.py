@@ -169,13 +169,14 @@ def report(params: int, dp: int, results: dict) -> dict:
               + (f", pooled {slowdown['pooled']:.3f}" if slowdown["overlapped"] else ""))
         print(f"{'':30s}each round (write / control): " + " ".join(
             f"{r:.3f}/{c:.3f}" for r, c in zip(slowdown["ratios"], slowdown["controls"])))
-    report_transfer(ours)
+    for name, result in (("regatta-commit", rollback), ("regatta", ours)):
+        report_transfer(name, result)
     return {"memory_ratio": statistics.median(ours["commit_mb"]) / statistics.median(stock["commit_mb"]),
             "job_memory_ratio": ours["job_peak_mb"][0] / stock["job_peak_mb"][0],
             "slowdown": percentile(ours["slowdown"]["corrected"], 0.5)}
 
 
-def report_transfer(ours: dict) -> None:
+def report_transfer(name: str, ours: dict) -> None:
     """The newcomer's transfer against the link's bound (state_worker.py says how each is
     measured)."""
     if not ours["newcomer"] or not ours["p2p_gbps"]:
@@ -185,7 +186,7 @@ def report_transfer(ours: dict) -> None:
     at_once = max(1, min(senders, ours["cores"] - 1))
     link = statistics.median(ours["p2p_gbps"])
     bound = link * at_once
-    print(f"newcomer's transfer, regatta: {distribution(rates)} GB/s ({ours['newcomer'][0]['bytes'] / 1e9:.2f} GB "
+    print(f"newcomer's transfer, {name}: {distribution(rates)} GB/s ({ours['newcomer'][0]['bytes'] / 1e9:.2f} GB "
           f"from {senders} senders); one loopback TCP stream {distribution(ours['p2p_gbps'])} GB/s x "
           f"{at_once} sender(s) at once on {ours['cores']} cores = bound {bound:.2f} GB/s; "
           f"p50 / bound {statistics.median(rates) / bound:.2f}")

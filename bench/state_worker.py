@@ -220,8 +220,9 @@ def measure(flavour, repeats: int, steps: int) -> dict:
         detail = {}
         out["sync_new_s"].append(timed(lambda: detail.update(flavour.restore(last, newcomer=last))))
         if last and detail.get("transfer_s"):
+            senders = detail.get("senders") or {owner for owner, _, _ in detail.get("parts", [])}
             out["newcomer"].append({"bytes": detail["moved_bytes"], "seconds": detail["transfer_s"],
-                                    "senders": len(detail["senders"])})
+                                    "senders": len(senders)})
     out["plain_s"], out["writing_s"], out["checkpoint_s"], out["write_s"] = [], [], [], []
     out["control_plain_s"], out["control_after_s"] = [], []
     for _ in range(repeats):
