@@ -36,7 +36,9 @@ def watched_page(context, server: str):
     requests, errors = [], []
     pg.on("request", lambda r: requests.append(r.url))
     pg.on("pageerror", lambda e: errors.append(str(e)))
-    pg.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    # a failed load's message names no URL: its location does
+    pg.on("console", lambda m: errors.append(f"{m.text} ({m.location.get('url')})")
+          if m.type == "error" else None)
     yield pg
     pg.evaluate("() => localStorage.clear()")  # the x-axis / log-y choices are remembered
     pg.close()

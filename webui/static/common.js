@@ -135,15 +135,21 @@ const R = (() => {
       label.textContent = state.paused ? "paused" : "live";
       dot.classList.toggle("paused", state.paused);
     });
+    let stopped = false, running = Promise.resolve();
     async function tick() {
+      if (stopped) return;
       if (!state.paused) {
         dot.classList.add("busy");
-        try { await refresh(); showError(null); } catch (err) { showError(err); }
+        running = refresh().then(() => showError(null), showError);
+        await running;
         dot.classList.remove("busy");
       }
-      setTimeout(tick, Math.max(pollMs, minMs));
+      if (!stopped) setTimeout(tick, Math.max(pollMs, minMs));
     }
     setTimeout(tick, Math.max(pollMs, minMs));
+    // Before the page deletes what it polls: no poll after it, and none still in flight
+    // (its answer would be a 404 for the deleted run).
+    return {stop() { stopped = true; return running; }};
   }
 
   // The Step/Time toggle and the log-y box; ``redraw`` re-renders from loaded data.

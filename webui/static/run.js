@@ -254,6 +254,8 @@
   document.getElementById("delete-run").addEventListener("click", async () => {
     if (!confirm(`Delete run ${runId} and every row of it?`)) return;
     try {
+      await loaded;
+      await poller.stop();
       await R.write(base, "DELETE");
       location.href = "/";
     } catch (err) { document.getElementById("manage-status").textContent = "not deleted: " + err.message; }
@@ -335,5 +337,6 @@
     if (d.run) render();    // else the first load, still under way, draws with the new series
   });
   R.controls(() => d.run && render());
-  refresh(true).catch(R.showError).finally(() => R.live(() => refresh(false)));
+  let poller = null;
+  const loaded = refresh(true).catch(R.showError).finally(() => { poller = R.live(() => refresh(false)); });
 })();
