@@ -147,6 +147,13 @@ def test_added_host_joins_with_committed_state(add_run):
     after = [e for e in kinds(report, "sync") if added["wall_time"] < e["wall_time"] < removed["wall_time"]]
     assert {e["host"] for e in after} == {"127.0.0.2", "127.0.0.3", "127.0.0.4"}
     assert len({e["param_hash"] for e in after}) == 1 and len({e["step"] for e in after}) == 1
+    # striped over both survivors, point to point: the new worker received every byte of
+    # the state and the survivors none (a broadcast also gave each the other's stripe)
+    assert {e["transport"] for e in after} == {"point_to_point"}
+    assert sorted(e["senders"] for e in after) == [[0, 1]] * 3
+    received = {e["host"]: e["received_bytes"] for e in after}
+    moved = {e["moved_bytes"] for e in after}
+    assert len(moved) == 1 and received == {"127.0.0.2": 0, "127.0.0.3": 0, "127.0.0.4": moved.pop()}
     finals = [json.loads(p.read_text()) for p in (tmp / "run" / "final").glob("*.json")]
     assert len(finals) == 3 and len({f["param_hash"] for f in finals}) == 1
 

@@ -40,7 +40,7 @@ class DataParallelEngine:
         self.batches: Batches | None = None    # one loader for the rank's life
         self._reducer: tuple | None = None    # (the world it was made for, reducer)
         self._gloo = False                      # the buckets summed over a torch.distributed group
-        self._sums: GlooSums | None = None      # and this world's group
+        self._sums: GlooSums | None = None      # over the runtime's group of this world
         self._spare: list = []                  # the last world's bucket buffers, free to reuse
 
     def build(self, runtime) -> TrainState:
@@ -85,14 +85,15 @@ class DataParallelEngine:
     def reducer(self, state) -> BucketReducer:
         """One per world: rank and size change at every reset. The old one's gradient
         hooks go with it. Where its buckets are summed over a torch.distributed group of
-        this world (``train.gradient_sums``, gloo_sums.py), the group is opened here."""
+        this world (``train.gradient_sums``, gloo_sums.py), the group is opened here unless
+        the sync opened it."""
         world = self.runtime.world
         if self._reducer is None or self._reducer[0] != world:
             self.leave_world()
             spare, self._spare = self._spare, []
             sums = self.runtime.collectives
             if world.size > 1 and self._gloo:
-                self._sums = sums = GlooSums(world, self.runtime.collectives, self.runtime.env)
+                self._sums = sums = GlooSums(self.runtime.group, world, self.runtime.collectives)
             reducer = BucketReducer(trained(state.model), world.rank, world.size, sums,
                                     bucket_bytes=self.bucket_bytes,
                                     compression=self.cfg.compression,
@@ -121,9 +122,7 @@ class DataParallelEngine:
                 self._reducer[1].close()
                 self._spare = self._reducer[1].released()
                 self._reducer = None
-        if self._sums is not None:
-            self._sums.close()
-            self._sums = None
+        self._sums = None     # the runtime closes the group itself before the reset
 
     def straggler_groups(self, state):
         return None   # every rank does the same work

@@ -1,6 +1,6 @@
 """The gradient buckets' sums over a torch.distributed Gloo group of this world
-(``train.gradient_sums = "gloo"``); everything else (the sync, the commits' object
-collectives, the hand-offs) stays on Horovod.
+(``train.gradient_sums = "gloo"``); the commits' object collectives and the hand-offs
+stay on Horovod.
 
 Why: Horovod runs one collective at a time from its background loop, and torch's Gloo
 group two, on its worker threads. Where a model's gradients take longer to sum than
@@ -10,20 +10,18 @@ the 26M-parameter MLP of bench_throughput ran faster over this group than over H
 six alternating pairs of runs (Regatta / DDP 0.98-1.03 against 0.94-0.99,
 docs/measurements.md).
 
-The group is opened for each world when the engine enters it, before the runtime's
+The group is the runtime's for this world (runtime/torch_group.py ``WorldGroup``),
+opened when the engine enters it unless the sync opened it already, before the runtime's
 recovery takes stock of the world's connections, so a peer's death shuts this group's
-sockets too and a sum blocked on the dead peer raises at once (runtime/torch_group.py);
-the failure reaches the elastic loop as ``HorovodInternalError``. It is destroyed before
-the next reset and at the end.
+sockets too and a sum blocked on the dead peer raises at once; the failure reaches the
+elastic loop as ``HorovodInternalError``. The runtime destroys it before the next reset.
 """
 from __future__ import annotations
-
-import contextlib
 
 import torch
 import torch.distributed as dist
 
-from elastic.runtime.torch_group import forget_group, meeting_point, open_default_group, translated
+from elastic.runtime.torch_group import WorldGroup, translated
 
 def over_gloo(setting: str, hvd, on_cpu: bool, buckets: int) -> bool:
     """Whether ``train.gradient_sums`` (``setting``) sums the ``buckets`` over this
@@ -39,29 +37,17 @@ def over_gloo(setting: str, hvd, on_cpu: bool, buckets: int) -> bool:
 
 
 class GlooSums:
-    def __init__(self, world, collectives, env):
-        """Every rank of ``world`` opens it together; rank 0 picks the address and sends it
-        over ``collectives`` (Horovod's). Horovod's Gloo interface and timeout apply (``env``:
-        horovodrun's ``--network-interface`` and ``--gloo-timeout-seconds``)."""
-        init = meeting_point(world, collectives.broadcast_object, "regatta.dp.gloo_sums")
-        with translated("gradient sums"):
-            open_default_group(init, world.rank, world.size, env.gloo_timeout_s, env.gloo_iface)
-        self.open = True
+    def __init__(self, group: WorldGroup, world, collectives):
+        """Over ``group``, opened for ``world`` here unless it is already (every rank of
+        ``world`` calls this together)."""
+        group.open_for(world, collectives)
+        self.group, self.world = group, world
 
     def allreduce_sum_async(self, tensors: list[torch.Tensor], name: str) -> GlooRequest:
         """Start summing each of ``tensors`` in place; ``name`` is Horovod's, unused here
         (torch matches collectives by their order, the same on every rank)."""
         with translated("gradient sums"):
             return GlooRequest([dist.all_reduce(t, async_op=True) for t in tensors])
-
-    def close(self) -> None:
-        """Destroy the group; a group whose peers died may not close cleanly, and is then
-        forgotten all the same. Only the first call acts: a later one would destroy
-        whatever default group exists by then (another world's)."""
-        if self.open:
-            self.open = False
-            with contextlib.suppress(Exception):
-                forget_group()
 
 
 class GlooRequest:

@@ -5,11 +5,13 @@ from its own live state, the byte ranges placement gives it (runtime/shards.py: 
 share of the flat state, runtime/flat.py, and its buddy's) into host memory (pinned for a
 CUDA model). With dp ranks that is 2/dp of the state per rank instead of all of it.
 
-``gather`` rebuilds the whole state on the ranks that need it (survivors after a
-failure, new workers) from any set of parts that covers it: each part travels as one
-Horovod broadcast per chunk, straight from the holder's buffer into the live tensors (a
-survivor's already have the commit's layout) or fresh ones (a new worker's), so no rank
-ever holds a second whole copy in flight.
+``send_to`` rebuilds the whole state on the ranks that need it (survivors after a
+failure, new workers) from any set of parts that covers it: each part goes from its owner
+to each of those ranks alone, point to point over the world's torch.distributed group,
+straight from the holder's tensors (or held buffer) into the live tensors (a survivor's
+already have the commit's layout) or fresh ones (a new worker's), so no rank ever holds
+a second whole copy in flight. ``spread`` (host tensors) and ``gather`` (CUDA ones) do the
+same with Horovod broadcasts, which reach every rank, where there is no such group.
 """
 from __future__ import annotations
 
@@ -17,8 +19,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from elastic.runtime import checkpoint
+from elastic.runtime.torch_group import translated
 from elastic.runtime.flat import Flat, TensorSlot, map_tree
 from elastic.runtime.shards import Part
 
@@ -127,6 +131,31 @@ def spread(parts: list[Part], here: Flat, rank: int, hvd,
                                                 name=f"regatta.dp.spread.{offset}"))
     for handle in handles:
         hvd.synchronize(handle)
+
+
+def send_to(parts: list[Part], here: Flat, rank: int, receivers: list[int],
+            provide: Callable[[Part, int, int], torch.Tensor] | None = None) -> int:
+    """Every part from its owner to each of ``receivers`` (and no other rank), in place,
+    over the world's torch.distributed group (open on every rank: runtime/torch_group.py);
+    ``here`` and ``provide`` as in ``spread``. Every send and receive is in flight at once.
+    A broadcast also reaches the ranks that hold a part already: with 2 of 3 ranks
+    sending to a new worker, each stripe crossed the link twice, and the transfer reached
+    0.15 of the link's bound (bench_state, 100M x Adam, 2026-12-07). Returns the bytes
+    this rank received."""
+    works, received = [], 0
+    views = [(part, offset, view) for part in parts for offset, view in here.views(part.start, part.end)]
+    with translated("the state's transfer"):
+        for tag, (part, offset, view) in enumerate(views):   # the same numbering on every rank
+            if rank == part.owner:
+                if provide is not None:
+                    view.copy_(provide(part, offset, offset + view.numel()))
+                works += [dist.isend(view, peer, tag=tag) for peer in receivers if peer != rank]
+            elif rank in receivers:
+                works.append(dist.irecv(view, part.owner, tag=tag))
+                received += view.numel()
+        for work in works:
+            work.wait()
+    return received
 
 
 HANDOFF_FORMAT = "regatta-dataparallel-handoff/1"

@@ -174,34 +174,45 @@ class TrainState(RuntimeState):
         parts = [Part(owner=owner, start=start, end=end, held=(start, end))
                  for owner, (start, end) in zip(plan.sources, shares(total, len(plan.sources)))
                  if end > start]
-        seconds = self._receive(parts, skeleton, rank in plan.needs, flat, on_cuda)
-        return {**detail, "moved_bytes": total, "transfer_s": seconds}
+        return {**detail, "moved_bytes": total,
+                **self._receive(parts, skeleton, list(plan.needs), flat, on_cuda)}
 
-    def _receive(self, parts: list[Part], skeleton, receives: bool, holder: Flat | None,
-                 on_cuda: bool, held: snapshot.Commit | None = None) -> float:
-        """Each part from its owner, into this rank's live state where it ``receives``.
+    def _receive(self, parts: list[Part], skeleton, receivers: list[int], holder: Flat | None,
+                 on_cuda: bool, held: snapshot.Commit | None = None) -> dict:
+        """Each part from its owner, into the live state of each of ``receivers``.
         ``holder``: this rank's live state where it holds the state sent; ``held``: the
-        commit whose shares the owners send instead. In place on host tensors; through a
-        (pinned) host buffer for a CUDA state. The seconds the bytes took to arrive (the
-        sync's event holds them beside the bytes: its achieved bandwidth)."""
-        rank, hvd = self.runtime.world.rank, self.runtime.hvd
+        commit whose shares the owners send instead. In place on host tensors, point to
+        point over the world's torch.distributed group where Horovod runs on Gloo (a
+        broadcast over MPI); through a (pinned) host buffer for a CUDA state. The sync
+        event's detail: how it went, the seconds the bytes took to arrive and how many
+        this rank received (with the bytes moved: its achieved bandwidth)."""
+        world, hvd = self.runtime.world, self.runtime.hvd
+        direct = not on_cuda and world.size > 1 and hvd is not None and hvd.gloo_enabled()
+        if direct:   # opened before the clock starts: transfer_s is the bytes' alone
+            self.runtime.group.open_for(world, self.runtime.collectives)
         started = time.perf_counter()
         with self._receiving:
             target = None
-            if receives:
+            if world.rank in receivers:
                 self._live = False     # a transfer cut short leaves these tensors half written
                 target = self._target(skeleton)
+            here = target if target is not None else holder
+            provide = None if held is None else lambda part, start, end: held.piece(part.held, start, end)
+            # a broadcast reaches every rank
+            transport, received = "broadcast", sum(p.end - p.start for p in parts if p.owner != world.rank)
             if on_cuda:
                 read = (lambda part, start, end, out: holder.read(start, end, out)) if held is None \
                     else (lambda part, start, end, _: held.piece(part.held, start, end))
-                snapshot.gather(parts, rank, hvd, read, target)
+                snapshot.gather(parts, world.rank, hvd, read, target)
+            elif direct:
+                transport = "point_to_point"
+                received = snapshot.send_to(parts, here, world.rank, receivers, provide)
             else:
-                provide = None if held is None else lambda part, start, end: held.piece(part.held, start, end)
-                snapshot.spread(parts, target if target is not None else holder, rank, hvd, provide)
+                snapshot.spread(parts, here, world.rank, hvd, provide)
             arrived = time.perf_counter() - started
             if target is not None:
                 self._load(target.tree())
-        return round(arrived, 4)
+        return {"transport": transport, "transfer_s": round(arrived, 4), "received_bytes": received}
 
     def _from_memory(self, items: list[dict], step: int, inventory: list[dict]) -> dict:
         """Reassemble commit ``step`` on the ranks whose live state is not already it."""
@@ -218,10 +229,11 @@ class TrainState(RuntimeState):
             (mine.skeleton, Flat.of(self.live()).on_cuda) if rank == root else None,
             "regatta.dp.skeleton", root=root)
         # a rank not receiving holds the commit live: its tensors take the bytes
-        seconds = self._receive(parts, skeleton, needs[rank], None if needs[rank] else Flat.of(self.live()),
-                                on_cuda, held=mine)
+        receivers = [r for r, needed in enumerate(needs) if needed]
+        transfer = self._receive(parts, skeleton, receivers, None if needs[rank] else Flat.of(self.live()),
+                                 on_cuda, held=mine)
         return {**detail, "recovery": "restored_commit", "moved_bytes": parts[-1].end if parts else 0,
-                "transfer_s": seconds}
+                **transfer}
 
     def _from_root(self, items: list[dict]) -> dict:
         """Rank 0's live state everywhere: a fresh start, or after reloading the durable
@@ -239,9 +251,9 @@ class TrainState(RuntimeState):
         if error:
             raise checkpoint.CheckpointError(error)
         parts = [Part(owner=0, start=0, end=total, held=(0, total))]
-        seconds = self._receive(parts, skeleton, rank != 0, flat, on_cuda)
+        transfer = self._receive(parts, skeleton, list(range(1, self.runtime.world.size)), flat, on_cuda)
         return {"source": "checkpoint" if lost else "root", "from_step": self.step, "moved_bytes": total,
-                "transfer_s": seconds,
+                **transfer,
                 **({"recovery": "restored_checkpoint"} if lost else {})}
 
     def _target(self, skeleton) -> Flat:

@@ -1,12 +1,14 @@
 """A torch.distributed Gloo group that lives for one world of a run, and its failures as
 the error Horovod's elastic loop restores from.
 
-Two users: the pipeline's transport under ``horovodrun`` (pipeline/gloo_transport.py) and
+Its users: the pipeline's transport under ``horovodrun`` (pipeline/gloo_transport.py),
+which opens its own; and :class:`WorldGroup`, the runtime's one group per world, shared by
 the data-parallel gradient buckets with ``train.gradient_sums = "gloo"``
-(dataparallel/gloo_sums.py). Each opens its group after ``hvd.init`` and before the
-runtime's recovery takes stock of the world's connections (recovery.py ``enter``), so a
-peer's death shuts the group's sockets as it shuts Horovod's, and the blocked sum raises
-at once; each destroys its group before the next reset.
+(dataparallel/gloo_sums.py) and the sync's point-to-point transfer of the state to the
+ranks that need it (dataparallel/snapshot.py ``send_to``). Each group is opened after
+``hvd.init`` and before the runtime's recovery takes stock of the world's connections
+(recovery.py ``enter``), so a peer's death shuts the group's sockets as it shuts
+Horovod's, and a blocked operation raises at once; each is destroyed before the next reset.
 """
 from __future__ import annotations
 
@@ -49,6 +51,42 @@ def forget_group() -> None:
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     dist.destroy_process_group()
+
+
+class WorldGroup:
+    """torch.distributed's default Gloo group over the runtime's current world, opened by
+    the first in a world that needs it (the sync's transfer to new workers, then the
+    gradient sums reuse it; or the sums alone) and closed before the next reset.
+    Horovod's Gloo interface and timeout apply (``env``: horovodrun's
+    ``--network-interface`` and ``--gloo-timeout-seconds``)."""
+
+    def __init__(self, env):
+        self._env = env
+        self._world = None     # the world the open group spans; None: none open
+
+    def open_for(self, world, collectives) -> None:
+        """Every rank of ``world`` calls it together; rank 0 picks the address and sends
+        it over ``collectives`` (Horovod's). Nothing happens where it is open already."""
+        if self._world == world:
+            return
+        self.close()
+        init = meeting_point(world, collectives.broadcast_object, "regatta.world_group")
+        with translated("the world's torch.distributed group"):
+            open_default_group(init, world.rank, world.size, self._env.gloo_timeout_s,
+                               self._env.gloo_iface)
+        self._world = world
+
+    def is_open_for(self, world) -> bool:
+        return self._world == world
+
+    def close(self) -> None:
+        """Destroy the group; one whose peers died may not close cleanly, and is then
+        forgotten all the same. Only an open one is destroyed: another call would destroy
+        whatever default group exists by then (the pipeline's)."""
+        if self._world is not None:
+            self._world = None
+            with contextlib.suppress(Exception):
+                forget_group()
 
 
 def comm_error(err: RuntimeError) -> bool:

@@ -34,6 +34,7 @@ from .memory import keep_freed_memory
 from .registration import EarlyRegistration
 from .reporting import HostSampler, StepReporter, memcpy_bandwidth, process_started
 from .runs import code_revision, launcher_name, new_run_id, open_sink, resumed_run_id, run_row
+from .torch_group import WorldGroup
 from .world import World, share_cores
 
 _current: "Runtime | None" = None   # the runtime of the training running in this process
@@ -86,6 +87,7 @@ class Runtime:
         self.policy = CommitPolicy(fixed=cfg.fixed_commit_every)
         self.reporter = StepReporter(self.sink, self.run_id, self.events, callbacks)
         self.collectives, self.hvd, self.engine = Alone(), None, None
+        self.group = WorldGroup(env)   # this world's torch.distributed group, once one needs it
         self.sampler: HostSampler | None = None
         self.progress: Progress | None = None
         self.bar: tqdm | None = None
@@ -334,7 +336,9 @@ class Runtime:
         return self.recovery is not None and self.recovery.world_broken()
 
     def before_reset(self) -> None:
-        """Membership is about to change: lifelines must not call it a death."""
+        """Membership is about to change: lifelines must not call it a death, and this
+        world's group goes with it."""
+        self.group.close()
         if self.recovery:
             self.recovery.before_init()
 
@@ -364,6 +368,7 @@ class Runtime:
         """The engine's result, written where launchers and tests look for it."""
         self.wait_for_checkpoint()     # the final checkpoint is on disk before any result
         mine, result = self.engine.finish(state)
+        self.group.close()
         folder = self.run_dir / "final"
         folder.mkdir(exist_ok=True)
         replace_text(folder / f"{self.world.host}-{self.world.slot}.json", json.dumps(mine))

@@ -117,15 +117,16 @@ def main(path: str, sums: str = "horovod") -> None:
     from elastic.dataparallel.gloo_sums import GlooSums
     from elastic.runtime.collectives import HorovodCollectives
     from elastic.runtime.env import Env
+    from elastic.runtime.torch_group import WorldGroup
     from elastic.runtime.world import World
     hvd.init()
     torch.set_num_threads(1)
     collectives = HorovodCollectives(hvd)
+    group = WorldGroup(Env.read())
     if sums == "gloo":
-        collectives = GlooSums(World.from_horovod(hvd, "localhost"), collectives, Env.read())
+        collectives = GlooSums(group, World.from_horovod(hvd, "localhost"), collectives)
     results = {case: run_case(case, hvd, collectives) for case in CASES}
-    if sums == "gloo":
-        collectives.close()
+    group.close()
     if hvd.rank() == 0:
         torch.save({"size": hvd.size(), "sums": sums, "cases": results}, path)
 
