@@ -275,7 +275,7 @@ def test_auto_commit_interval_is_chosen_and_shared(tmp_path):
     choices = kinds(report, "commit_interval")
     assert choices and all(c["rank"] == 0 for c in choices)
     first = choices[0]
-    expected = max(round((2 * first["commit_cost_s"] * first["mtbf_s"]) ** 0.5 / first["step_time_s"]),
+    expected = max(round((2 * first["commit_cost_s"] * first["mtbr_s"]) ** 0.5 / first["step_time_s"]),
                    -(-first["commit_cost_s"] // (0.01 * first["step_time_s"])))
     assert first["interval"] == min(10_000, int(expected))
     # Both ranks committed at exactly the same steps until the failure (bounded by the

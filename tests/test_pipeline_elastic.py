@@ -133,22 +133,34 @@ def finals(tmp):
     return [json.loads(p.read_text()) for p in (tmp / "run" / "final").glob("*.json")]
 
 
+KILL_RUN = ["--pp", "2", "--boundaries", "0,2", *SMALL]   # configured: left to the planner,
+# measured layer costs on a busy machine could pick [0, 3] instead
+
+
 @pytest.fixture(scope="module")
-def kill_run(tmp_path_factory):
+def kill_run(tmp_path_factory, unfailed_run):
+    """pp 2 x dp 2, a worker killed at step 27 (commits every 5); and the same training
+    without the failure, committed at every step, to compare the survivors' state with."""
     tmp = tmp_path_factory.mktemp("pipe_kill")
-    return tmp, run_local(tmp, "--hosts", "4", "--steps", "60", "--commit-every", "5",
-                          "--kill", "2@27",
-                          # Configured cut: left to the planner, measured layer costs on a
-                          # busy machine could pick [0, 3] instead.
-                          job_args=["--pp", "2", "--boundaries", "0,2", *SMALL])
+    report = run_local(tmp, "--hosts", "4", "--steps", "60", "--commit-every", "5",
+                       "--kill", "2@27", job_args=KILL_RUN)
+    return tmp, report, unfailed_run
+
+
+@pytest.fixture(scope="module")
+def unfailed_run(tmp_path_factory):
+    reference = tmp_path_factory.mktemp("pipe_reference")
+    return run_local(reference, "--hosts", "4", "--steps", "34", "--commit-every", "1",
+                     job_args=KILL_RUN)
 
 
 def test_kill_one_of_four_continues_on_three_under_a_new_plan(kill_run):
-    tmp, report = kill_run
+    tmp, report, _ = kill_run
     assert report["exit_code"] == 0
     assert (report["final_step"], report["final_world_size"]) == (60, 3)
     (failure,) = report["changes"]
-    assert failure["size_after"] == 3 and failure["steps_redone"] == 27 - 25
+    # every stage kept a live replica: no step since the commit at 25 is redone
+    assert failure["size_after"] == 3 and failure["steps_redone"] == 0
     (replan,) = {json.dumps({k: e[k] for k in ("old", "new", "from_memory")})
                  for e in kinds(report, "replan")}
     replan = json.loads(replan)
@@ -161,22 +173,49 @@ def test_kill_one_of_four_continues_on_three_under_a_new_plan(kill_run):
     assert held == {((0, 2),), ((2, 4),)}
 
 
-def test_model_reassembled_after_the_reset_equals_the_last_commit(kill_run):
-    tmp, report = kill_run
+def test_survivors_go_on_from_their_live_stages_bit_for_bit(kill_run):
+    """No rollback: the survivors' live stages at step 27 make the model the run without
+    the failure had at 27, and each survivor received only the children it lacked."""
+    tmp, report, unfailed = kill_run
     failed = report["changes"][0]["wall_time"]
-    last = committed(report, 25, failed)
     synced = [e for e in kinds(report, "sync") if e["wall_time"] > failed]
-    assert len(synced) == 3 and {e["step"] for e in synced} == {25}
-    assert {e["param_hash"] for e in synced} == {last}
-    replans = kinds(report, "replan")       # every survivor moved the model under a new plan,
-    assert len(replans) == 3                # from memory, at the committed step
-    assert all(e["from_memory"] and e["step"] == 25 and e["wall_time"] > failed for e in replans)
+    assert len(synced) == 3 and {e["step"] for e in synced} == {27}
+    assert {(e["source"], e["recovery"]) for e in synced} == {("live", "recovered_live")}
+    assert {e["param_hash"] for e in synced} == {committed(unfailed, 27, float("inf"))}
+    assert len(kinds(report, "recovered_live")) == 3 and not kinds(report, "restored_commit")
+    # What each survivor held live (its old stage) against what it builds now.
+    old = {e["host"]: e["children"] for e in kinds(report, "sync") if e["wall_time"] < failed}
+    for sync in synced:
+        kept = old[sync["host"]][0] <= sync["children"][0] and sync["children"][1] <= old[sync["host"]][1]
+        assert (sync["received_bytes"] == 0) == kept, (sync, old)
+    assert any(e["received_bytes"] > 0 for e in synced)
+    replans = kinds(report, "replan")
+    assert len(replans) == 3 and all(e["from_memory"] and e["step"] == 27 for e in replans)
     resumed = [e for e in kinds(report, "resumed") if e["wall_time"] > failed]
-    assert {e["step"] for e in resumed} == {26} and {e["size"] for e in resumed} == {3}
+    assert {e["step"] for e in resumed} == {28} and {e["size"] for e in resumed} == {3}
+
+
+def test_a_kill_from_outside_mid_step_goes_on_from_the_most_advanced_live_stages(tmp_path, unfailed_run):
+    """SIGKILL at a random instant of step 28 or 29: the survivors may have applied that
+    step or not, some one and some the other (the update follows the step's last
+    collective). They go on from the newest step whose live stages make a whole model,
+    bit for bit the model the run without a failure had at that step."""
+    report = run_local(tmp_path, "--hosts", "4", "--steps", "40", "--commit-every", "5",
+                       "--sigkill", "2@27", job_args=KILL_RUN)
+    assert report["exit_code"] == 0 and report["final_step"] == 40
+    (strike,) = kinds(report, "fault_injected")
+    synced = [e for e in kinds(report, "sync") if e["wall_time"] > strike["wall_time"]]
+    assert len(synced) == 3
+    (step,) = {e["step"] for e in synced}
+    assert 27 <= step <= 31 and {e["source"] for e in synced} == {"live"}
+    assert {e["recovery"] for e in synced} <= {"recovered_live", "adopted"}
+    assert {e["param_hash"] for e in synced} == {committed(unfailed_run, step, float("inf"))}
+    (failure,) = report["changes"]
+    assert failure["steps_redone"] == 0
 
 
 def test_training_continues_and_survivors_agree(kill_run):
-    tmp, report = kill_run
+    tmp, report, _ = kill_run
     failed = report["changes"][0]["wall_time"]
     losses = [(e["wall_time"] > failed, e["loss"]) for e in kinds(report, "commit")
               if e.get("loss") is not None and e["reason"] == "periodic"]
@@ -201,8 +240,10 @@ def test_dp1_pipeline_recovers_from_buddy_copies(tmp_path):
     assert held and all(len(h) == 2 for h in held)
     replans = kinds(report, "replan")
     assert replans and all(e["from_memory"] and e["old"]["pp"] == 3 for e in replans)
-    synced = {e["param_hash"] for e in kinds(report, "sync") if e["wall_time"] > failed}
-    assert synced == {committed(report, 15, failed)}
+    # Stage 1's only live copy died: back to the commit, whose copy of it a buddy held.
+    synced = [e for e in kinds(report, "sync") if e["wall_time"] > failed]
+    assert {(e["recovery"], e["from_step"]) for e in synced} == {("restored_commit", 15)}
+    assert {e["param_hash"] for e in synced} == {committed(report, 15, failed)}
 
 
 def test_added_hosts_grow_the_grid_and_replicas_agree(tmp_path):
@@ -223,6 +264,11 @@ def test_added_hosts_grow_the_grid_and_replicas_agree(tmp_path):
     synced = [e for e in kinds(report, "sync") if e["size"] == 4]
     assert len(synced) == 4 and {e["step"] for e in synced} == {step}
     assert {e["param_hash"] for e in synced} == {membership[0]["param_hash"]}
+    # The two first hosts keep their stages and receive nothing; each new one receives one.
+    first = {e["host"] for e in kinds(report, "sync") if e["size"] == 2}
+    assert len(first) == 2
+    assert sorted((e["host"] in first, e["received_bytes"] > 0) for e in synced) == \
+        [(False, True), (False, True), (True, False), (True, False)]
     by_stage = defaultdict(set)
     for final in finals(tmp_path):
         by_stage[tuple(final["children"])].add(final["param_hash"])

@@ -165,7 +165,7 @@ def test_auto_commit_interval_is_chosen_for_a_pipeline_as_for_data_parallelism(r
     assert len(first) == 2 and all(e["durable"] for e in first)
     assert choice["commit_cost_s"] == pytest.approx(first[0]["cost_s"] if first[0]["rank"] == 0
                                                     else first[1]["cost_s"], rel=1e-6)
-    expected = max(round((2 * choice["commit_cost_s"] * choice["mtbf_s"]) ** 0.5 / choice["step_time_s"]),
+    expected = max(round((2 * choice["commit_cost_s"] * choice["mtbr_s"]) ** 0.5 / choice["step_time_s"]),
                    -(-choice["commit_cost_s"] // (0.01 * choice["step_time_s"])))
     assert choice["interval"] == min(10_000, int(expected))
     commits = {e["rank"]: [c["step"] for c in events if c["kind"] == "commit" and c["rank"] == e["rank"]]

@@ -11,7 +11,7 @@ import torch
 
 from elastic.dataparallel.snapshot import merged, take
 from elastic.runtime.flat import Flat, tree_digest
-from elastic.runtime.shards import buddies, cover, covering_step, kept_by, shares
+from elastic.runtime.shards import Transfer, buddies, cover, covering_step, kept_by, shares, transfers
 
 
 def test_buddies_are_a_permutation_onto_other_hosts():
@@ -65,6 +65,38 @@ def state_tree():
     return {"objects": {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                         "flags": torch.tensor([True, False]), "empty": torch.empty(0, 2)},
             "step": 11, "epoch": 2, "consumed": 40}
+
+
+def stages_held(step: int, *ranges: tuple) -> list[dict]:
+    """An inventory where rank r holds children ``ranges[r]`` of ``step`` (4 children)."""
+    return [{"rank": r, "step": step, "extent": 4, "ranges": [rng] if rng else []}
+            for r, rng in enumerate(ranges)]
+
+
+def test_a_replan_moves_only_the_stages_whose_owners_change():
+    # pp 2 x dp 2 lost its rank 1: survivors hold stage (0, 2) twice and (2, 4) once.
+    # Re-cut to 3 stages, only the middle one has a part its rank lacks.
+    items = stages_held(27, (0, 2), (0, 2), (2, 4))
+    assert transfers(items, 27, [(0, 1), (1, 3), (3, 4)]) == [Transfer(receiver=1, owner=2, held=(2, 4))]
+    # The same grid again: nothing moves at all.
+    assert transfers(items, 27, [(0, 2), (0, 2), (2, 4)]) == []
+    # A commit of another step is not used for this one.
+    older = items + stages_held(25, (2, 4), (2, 4), (0, 2))
+    assert transfers(older, 27, [(0, 2), (0, 2), (2, 4)]) == []
+
+
+def test_newcomers_receive_each_stage_from_its_replicas_in_turn():
+    # pp 2 x dp 2 grows to dp 4: the two new replicas of each stage are served by the two
+    # ranks holding it, not both by the same one; the old ranks receive nothing.
+    items = stages_held(9, (0, 2), (2, 4), (0, 2), (2, 4), (), (), (), ())
+    needs = [(0, 2), (2, 4)] * 4
+    moves = transfers(items, 9, needs)
+    assert {m.receiver for m in moves} == {4, 5, 6, 7}
+    assert sorted((m.receiver, m.owner, m.held) for m in moves) == \
+        [(4, 0, (0, 2)), (5, 1, (2, 4)), (6, 2, (0, 2)), (7, 3, (2, 4))]
+    # A rank needing two stages' children receives both pieces.
+    assert transfers(stages_held(9, (0, 2), (2, 4), ()), 9, [(0, 2), (2, 4), (0, 4)]) == \
+        [Transfer(2, 0, (0, 2)), Transfer(2, 1, (2, 4))]
 
 
 def test_flat_ranges_round_trip_bit_for_bit():

@@ -7,9 +7,13 @@ reset (the runtime runs the loop; engine.py plugs this in).
 On every (re)entry ``sync_state`` makes the grid fit the world: the configured
 ``pipeline.pp`` (and ``dp``) when the world size allows, otherwise the planner's choice
 within ``planner.pp_min..pp_max`` from layer costs rank 0 measured once (every rank keeps
-them, so the costs outlive rank 0). The stage state comes from the last commit held in
-memory (shards.py: own shards, dp peers, buddy copies), else from the durable pipeline
-checkpoint when resuming, else from the seed. The torch.distributed Gloo group is
+them, so the costs outlive rank 0). The stage state comes from the survivors'
+live stages where those make a whole model (dp >= 2: a replica of every stage survived;
+the newest step they reach wins: ``recovered_live``, or ``adopted`` where some were one
+step behind), else from the last commit held in memory (shards.py: own shards, dp peers,
+buddy copies; ``restored_commit``), else from the durable pipeline checkpoint
+(``restored_checkpoint``), else from the seed. Only what a rank lacks for its stage
+under the new plan moves to it, point to point from a rank holding it. The torch.distributed Gloo group is
 destroyed and rebuilt (rank 0 picks a port and broadcasts the address over Horovod under
 an explicit name), and a transport error is re-raised as ``HorovodInternalError`` so
 ``hvd.elastic.run`` restores.
@@ -22,7 +26,7 @@ from pathlib import Path
 
 from elastic.data.sampler import Cursor
 from elastic.runtime import checkpoint as saving
-from elastic.runtime.shards import buddies, cover, covering_step, kept_by
+from elastic.runtime.shards import buddies, cover, covering_step, kept_by, transfers
 from elastic.runtime.state import RuntimeState
 from elastic.runtime.torch_group import meeting_point, translated as translated_as
 
@@ -31,7 +35,7 @@ from .config import Plan, make_plan
 from .planner import LayerCosts, choose, measure_job, plan_grid
 from .rebalance import export_stage, import_stage
 from .run import build_run, resume
-from .shards import exchange, model_digest, shard_bytes, tensor_digests
+from .shards import exchange, model_digest, send_pieces, shard_bytes, tensor_digests
 from .gloo_transport import GlooTransport
 
 
@@ -55,6 +59,9 @@ class ElasticPipeline(RuntimeState):
         self.buddy: list[int] = []
         self.costs = None                  # planner.LayerCosts, measured once by rank 0
         self.last_plan: dict | None = None
+        # This rank's stage as it was when a step failed, held like a commit of that step
+        # ({"step", ..., "held": {children: shard}}) until the next world is built from it.
+        self.live: dict | None = None
 
     @property
     def step(self) -> int:
@@ -100,27 +107,40 @@ class ElasticPipeline(RuntimeState):
             self.run.transport = None
 
     def restore_committed(self) -> None:
-        self.run = None     # sync rebuilds the stage from the commit
+        """Keep the stage's live state; the sync rebuilds from it, or from the commit
+        where the survivors' live stages do not make a whole model. A failed step left
+        it whole at ``run.step``: the update (optimizer.step, then step += 1) comes after
+        the step's last collective, so a failure stops a step before it or not at all."""
+        if self.run is not None:
+            self.live = self._live_gen()
+        self.run = None
 
     def sync_state(self) -> dict:
         started, world = time.perf_counter(), self.runtime.world
         first = not self.gens
+        live = self._live_gen() if self.run is not None else self.live   # a planned change keeps its run
         with translated():
-            gens = [{k: g[k] for k in ("step", "epoch", "consumed", "extent")} | {"ranges": list(g["held"])}
-                    for g in self.gens]
+            held = self.gens + ([live] if live else [])
+            gens = [{k: g[k] for k in ("step", "epoch", "consumed", "extent")}
+                    | {"ranges": list(g["held"]), "live": g is live} for g in held]
             inventory = self.hvd.allgather_object({"host": world.host, "costs": self.costs, "gens": gens},
                                                   name="regatta.pipe.inventory")
             self._share_costs(inventory, world)
             plan = self._plan(world.size)
             items = [{"rank": r, **g} for r, i in enumerate(inventory) for g in i["gens"]]
-            pieces, position = self._gather(items, world)
-            from_disk = pieces is None and (bool(items) or (first and bool(self.engine.train.resume)))
-            moved = time.perf_counter() - started
-            self._build(world, plan, pieces, position, [i["host"] for i in inventory], from_disk)
+            step = self._covering(items)
+            from_disk = step is None and (bool(items) or (first and bool(self.engine.train.resume)))
+            moved = self._build(world, plan, items, step, held, [i["host"] for i in inventory], from_disk)
+            self.live = None
             self.save()
-        self._record_replan(plan, pieces, moved, started)
-        source = "memory" if pieces is not None else "checkpoint" if from_disk else "seed"
-        return {"source": source, "from_step": self.run.step}
+        self._record_replan(plan, step is not None, moved, started)
+        # live: the survivors' live stages alone make the model (commit pieces of the same
+        # step may fill in where they are nearer, the same bytes)
+        source = "checkpoint" if from_disk else "seed" if step is None else \
+            "live" if cover([i for i in items if i["live"]], step) else "memory"
+        detail = {"source": source, "from_step": self.run.step, "children": list(self.run.children),
+                  **moved}
+        return {**detail, **recovery_of(source, items, step)}
 
     def write_checkpoint(self) -> dict | None:
         from .run import save_checkpoint
@@ -185,27 +205,33 @@ class ElasticPipeline(RuntimeState):
         return Plan(pp=best.pp, dp=best.dp, schedule=pipe.schedule, microbatches=m,
                     stages=best.stages, microbatch_size=gb // (best.dp * m))
 
-    def _gather(self, items: list[dict], world):
-        """One copy of every shard of the newest fully held commit, on every rank; None
-        on a fresh start (then the checkpoint on disk when resuming, or the seed) and when
-        every copy of some stage is gone (then the checkpoint on disk)."""
-        step = covering_step(items)
-        if step is None:
-            if items:   # every copy of some stage is gone: only the disk can help
-                held = sorted({i["step"] for i in items})
-                self.runtime.events.record("state_lost", None, steps_held=held)
-                self.gens = []     # newer than the checkpoint: never to be restored now
-                if ckpt.read_manifest(self.engine.train.checkpoint_path.parent) is None:
-                    raise RuntimeError(f"no commit is fully held by the ranks left (steps held: "
-                                       f"{held}) and there is no durable checkpoint to resume from")
-            return None, None
-        mine = [next(g["held"][part.held] for g in self.gens if g["step"] == step and part.held in g["held"])
-                for part in cover(items, step) if part.owner == world.rank]
-        gathered = self.hvd.allgather_object(mine, name="regatta.pipe.shards")
-        item = next(i for i in items if i["step"] == step)
-        return [p for per_rank in gathered for p in per_rank], (step, item["epoch"], item["consumed"])
+    def _live_gen(self) -> dict | None:
+        run = self.run
+        if self.runtime.cfg.recover_from != "live":
+            return None
+        return {"step": run.step, "epoch": run.cursor.epoch, "consumed": run.cursor.consumed,
+                "extent": run.plan.stages[-1][1],
+                "held": {run.children: export_stage(run.stage.module, run.optimizer, copy=False)}}
 
-    def _build(self, world, plan: Plan, pieces, position, hosts: list[str], from_disk: bool) -> None:
+    def _covering(self, items: list[dict]) -> int | None:
+        """The newest step whose pieces, live or committed, make a whole model; None on a
+        fresh start (then the checkpoint on disk when resuming, or the seed) and when every
+        copy of some stage is gone (then the checkpoint on disk)."""
+        step = covering_step(items)
+        if step is None and items:   # every copy of some stage is gone: only the disk can help
+            held = sorted({i["step"] for i in items})
+            self.runtime.events.record("state_lost", None, steps_held=held)
+            self.gens = []     # newer than the checkpoint: never to be restored now
+            if ckpt.read_manifest(self.engine.train.checkpoint_path.parent) is None:
+                raise RuntimeError(f"no commit is fully held by the ranks left (steps held: "
+                                   f"{held}) and there is no durable checkpoint to resume from")
+        return step
+
+    def _build(self, world, plan: Plan, items: list[dict], step: int | None, held: list[dict],
+               hosts: list[str], from_disk: bool) -> dict:
+        """This rank's stage under ``plan``: from the pieces of ``step`` (its own, and
+        point to point from the ranks holding the others), else from disk or the seed.
+        Returns what moved to this rank."""
         self.leave_world()
         init = meeting_point(world, self._broadcast, "regatta.pipe.init_method")
         groups = [[r * plan.pp + s for r in range(plan.dp)] for s in range(plan.pp)]
@@ -213,19 +239,41 @@ class ElasticPipeline(RuntimeState):
                                   timeout_s=120, interface=self.runtime.env.gloo_iface)
         run = build_run(self.engine.job, self.engine.train, plan, world, transport,
                         self.engine.device)
-        self.run, self.buddy = run, buddies(hosts)
-        if pieces is not None:
+        moved = {"received_bytes": 0, "move_s": 0.0}
+        if step is not None:
+            started = time.perf_counter()
+            mine = {rng: g["held"][rng] for g in held if g["step"] == step for rng in g["held"]}
+            needs = [plan.stages[r % plan.pp] for r in range(world.size)]
+            pieces, moved["received_bytes"] = send_pieces(transport, transfers(items, step, needs),
+                                                          mine, world.rank)
             import_stage(run.stage.module, run.optimizer, pieces)
-            run.step, run.cursor = position[0], Cursor(position[1], position[2])
-        elif from_disk:
-            self.runtime.resumed(self, resume(run))
+            item = next(i for i in items if i["step"] == step)
+            run.step, run.cursor = step, Cursor(item["epoch"], item["consumed"])
+            moved["move_s"] = round(time.perf_counter() - started, 4)
+        loaded = resume(run) if step is None and from_disk else None
+        # only now: a stage whose loading failed is not live state to go on from
+        self.run, self.buddy = run, buddies(hosts)
+        if step is None and from_disk:
+            self.runtime.resumed(self, loaded)
+        return moved
 
-    def _record_replan(self, plan: Plan, pieces, moved: float, started: float) -> None:
+    def _record_replan(self, plan: Plan, from_memory: bool, moved: dict, started: float) -> None:
         old = self.last_plan
         new = {"pp": plan.pp, "dp": plan.dp, "stages": [list(s) for s in plan.stages]}
         if old is not None and old != new:
             self.runtime.events.record("replan", self.run.step, old=old, new=new,
-                                       size=self.run.world.size, move_s=moved,
+                                       size=self.run.world.size, **moved,
                                        cost_s=time.perf_counter() - started,
-                                       from_memory=pieces is not None)
+                                       from_memory=from_memory)
         self.last_plan = new
+
+
+def recovery_of(source: str, items: list[dict], step: int | None) -> dict:
+    """The sync's recovery, named as the data-parallel engine names it: the survivors'
+    live stages at the newest step any of them reached (some one step behind took it), a
+    commit, or the checkpoint."""
+    if source == "live":
+        behind = sorted({i["rank"] for i in items if i["live"] and i["step"] < step})
+        return {"recovery": "adopted" if behind else "recovered_live", "behind": behind}
+    return {"memory": {"recovery": "restored_commit"},
+            "checkpoint": {"recovery": "restored_checkpoint"}}.get(source, {})

@@ -103,12 +103,18 @@ def allgather_object(transport, obj) -> list:
 
 
 # -- moving stage state between owners -------------------------------------------------------
-def export_stage(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """A stage's parameters and optimizer state on the CPU, keyed by full-model names."""
+def export_stage(module: nn.Module, optimizer: torch.optim.Optimizer, copy: bool = True) -> dict:
+    """A stage's parameters and optimizer state on the CPU, keyed by full-model names.
+    ``copy=False``: the tensors themselves where already on the CPU (a stage that will not
+    train again, kept for the next world)."""
     names = {id(p): n for n, p in module.named_parameters()}
-    return {"model": {k: v.detach().cpu().clone() for k, v in module.state_dict().items()},
-            "optimizer": {names[id(p)]: {k: v.detach().cpu().clone() if torch.is_tensor(v) else v
-                                         for k, v in s.items()}
+
+    def take(tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach()
+        return tensor.cpu().clone() if copy else tensor.cpu()
+
+    return {"model": {k: take(v) for k, v in module.state_dict().items()},
+            "optimizer": {names[id(p)]: {k: take(v) if torch.is_tensor(v) else v for k, v in s.items()}
                           for p, s in optimizer.state.items()}}
 
 
@@ -118,11 +124,17 @@ def import_stage(module: nn.Module, optimizer: torch.optim.Optimizer, pieces: li
     model = {k: v for piece in pieces for k, v in piece["model"].items() if k in wanted}
     module.load_state_dict(model, strict=True)
     saved = {k: v for piece in pieces for k, v in piece["optimizer"].items()}
+
+    def placed(key: str, value, device: torch.device):
+        # Adam's "step" stays a CPU scalar; moments go where the parameter lives. Copies:
+        # a piece may be this rank's commit, which training must not write into.
+        if not torch.is_tensor(value):
+            return value
+        return value.clone() if key == "step" else value.to(device, copy=True)
+
     for name, param in module.named_parameters():
         if name in saved:
-            # Adam's "step" stays a CPU scalar; moments go where the parameter lives.
-            optimizer.state[param] = {k: v.to(param.device) if torch.is_tensor(v) and k != "step" else v
-                                      for k, v in saved[name].items()}
+            optimizer.state[param] = {k: placed(k, v, param.device) for k, v in saved[name].items()}
 
 
 def move_stages(run, stages: tuple) -> None:

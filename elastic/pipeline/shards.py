@@ -10,10 +10,12 @@ the whole of it for pp >= 2 (README states the cost). A single failed rank or ho
 therefore never takes the last copy of any stage with it, and two failures do not either
 as long as they leave some copy of each stage.
 
-On a reset the survivors (and any new workers) all-gather what they hold, pick the newest
-commit whose shards cover every child (runtime/shards.py: covering_step, cover), and
-rebuild under the new plan from one copy of each shard (the full model passes through
-every rank once, briefly). Every digest here is
+On a reset the survivors (and any new workers) all-gather what they hold: their commits
+and, after a failure, their live stage (elastic_state.py). They pick the newest step whose
+shards cover every child (runtime/shards.py: covering_step, cover), live or committed, and
+rebuild under the new plan: a rank whose own shards hold its new stage moves nothing, the
+others receive what they lack point to point from a rank holding it (``transfers``,
+``send_pieces``). Every digest here is
 ``model_digest``: sha256 over (name, sha256 of bytes) of every tensor, sorted by name,
 so per-stage digests combine into the full model's.
 """
@@ -27,6 +29,7 @@ import torch
 from .transport import Transport
 
 SIZE_TAG, DATA_TAG = 32100, 32101     # above the executor's activation and header tags
+PIECE_TAG = 32200                     # a re-plan's moves: two tags each, from here up
 
 
 def tensor_digests(state: dict) -> dict[str, str]:
@@ -50,7 +53,8 @@ def to_bytes(obj) -> torch.Tensor:
 
 
 def from_bytes(data: torch.Tensor):
-    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
+    """A peer's stage shard: tensors, numbers and containers only, so nothing else loads."""
+    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
 
 
 def exchange(transport: Transport, obj, send_to: int | None, recv_from: list[int]) -> list:
@@ -69,6 +73,34 @@ def exchange(transport: Transport, obj, send_to: int | None, recv_from: list[int
     for handle in received + handles[len(recv_from):]:
         handle.wait()
     return [from_bytes(buffers[p]) for p in recv_from]
+
+
+def send_pieces(transport: Transport, moves: list, mine: dict, rank: int) -> tuple[list[dict], int]:
+    """Carry out ``moves`` (runtime/shards.py ``transfers``), all at once and non-blocking:
+    this rank sends the pieces it owns (``mine``: children range -> shard) and receives
+    those it lacks, each with tags of its own (every rank numbers the moves alike).
+    Returns this rank's pieces, its own then those received, and the bytes received."""
+    payloads, sends, sizes = {}, [], []
+    for number, move in enumerate(moves):
+        tag = PIECE_TAG + 2 * number
+        if move.owner == rank:
+            if move.held not in payloads:
+                payloads[move.held] = to_bytes(mine[move.held])
+            data = payloads[move.held]
+            sends += [transport.isend(torch.tensor([len(data)]), move.receiver, tag),
+                      transport.isend(data, move.receiver, tag + 1)]
+        elif move.receiver == rank:
+            size = torch.zeros(1, dtype=torch.int64)
+            sizes.append((number, move.owner, size, transport.irecv(size, move.owner, tag)))
+    arriving = []
+    for number, owner, size, handle in sizes:
+        handle.wait()
+        data = torch.empty(int(size), dtype=torch.uint8)
+        arriving.append((data, transport.irecv(data, owner, PIECE_TAG + 2 * number + 1)))
+    for handle in [h for _, h in arriving] + sends:
+        handle.wait()
+    received = [from_bytes(data) for data, _ in arriving]
+    return list(mine.values()) + received, sum(data.numel() for data, _ in arriving)
 
 
 def shard_bytes(shards: dict) -> int:

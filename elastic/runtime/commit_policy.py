@@ -1,11 +1,22 @@
 """How often to commit: a fixed interval, or ``auto`` from measurements (Young/Daly).
 
 With ``auto`` the interval is the Young/Daly optimum, sqrt(2 x commit cost x mean time
-between failures), converted to steps with the measured step time, and never so short
-that commits cost more than ``max_overhead`` of the training time. Both inputs are
-re-measured as the job runs (commit cost and step time as moving averages; the failure
-rate as failures seen over time watched, with a prior of one failure per
-``prior_mtbf_s`` so a job that has seen none still commits). Each new choice is an event.
+between rollbacks), converted to steps with the measured step time, and never so short
+that commits cost more than ``max_overhead`` of the training time.
+
+Why rollbacks, not failures: Young/Daly balances the commits' cost against the work a
+failure throws away, on average half an interval. A failure the survivors recover from
+their live state (``recovered_live``, ``adopted``) throws away only the step it
+interrupted, whatever the interval; only one that goes back to a commit or to the
+checkpoint (``restored_commit``, ``restored_checkpoint``; every failure of the pipeline)
+loses the steps since the commit. So the failures that count are the rollbacks, and a job
+whose failures recover live commits less often: with a rollback fraction p of failures,
+the interval is 1/sqrt(p) times the one counting every failure.
+
+Both inputs are re-measured as the job runs (commit cost and step time as moving
+averages; the rollback rate as rollbacks seen over time watched, with a prior of one
+rollback per ``prior_mtbf_s``, so a job that has seen none still commits, and a first
+failure that recovers live does not shorten the interval). Each new choice is an event.
 
 Only rank 0 decides; its vote rides in the step's fused allreduce, so every rank commits
 at the same step and a restore brings all of them to the same point.
@@ -15,6 +26,9 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+
+# the recoveries that throw away no step but the one the failure interrupted
+LIVE_RECOVERIES = ("recovered_live", "adopted")
 
 
 def young_daly_steps(commit_cost_s: float, mtbf_s: float, step_time_s: float,
@@ -35,6 +49,7 @@ class CommitPolicy:
     commit_cost_s: float = 0.0
     step_time_s: float = 0.0
     failures: int = 0
+    rollbacks: int = 0                # failures that went back to a commit or the checkpoint
     started: float = field(default_factory=time.monotonic)
     interval: int = 10
     last_commit_step: int = 0
@@ -47,8 +62,16 @@ class CommitPolicy:
     def auto(self) -> bool:
         return self.fixed is None
 
+    def watched_s(self) -> float:
+        return time.monotonic() - self.started + self.prior_mtbf_s
+
     def mtbf_s(self) -> float:
-        return (time.monotonic() - self.started + self.prior_mtbf_s) / (self.failures + 1)
+        """Mean time between failures, reported beside the interval."""
+        return self.watched_s() / (self.failures + 1)
+
+    def mtbr_s(self) -> float:
+        """Mean time between rollbacks: what the interval is chosen from."""
+        return self.watched_s() / (self.rollbacks + 1)
 
     def due(self, next_step: int) -> bool:
         """Should the step that ends at ``next_step`` be committed?"""
@@ -65,7 +88,7 @@ class CommitPolicy:
             (1 - self.alpha) * self.commit_cost_s + self.alpha * seconds
         if not self.auto or not self.step_time_s:
             return None
-        chosen = young_daly_steps(self.commit_cost_s, self.mtbf_s(), self.step_time_s,
+        chosen = young_daly_steps(self.commit_cost_s, self.mtbr_s(), self.step_time_s,
                                   self.max_overhead)
         # Hysteresis: noise in the averages should not make an event every commit.
         if abs(chosen - self.interval) <= max(1, self.interval // 10):
@@ -75,6 +98,12 @@ class CommitPolicy:
 
     def observe_failure(self) -> None:
         self.failures += 1
+
+    def observe_recovery(self, recovery: str | None) -> None:
+        """A failure's re-forming went on from ``recovery`` (the sync's; None where the
+        engine does not say, as the pipeline, which always goes back to its commit)."""
+        if recovery not in LIVE_RECOVERIES:
+            self.rollbacks += 1
 
     def entered(self, step: int) -> None:
         """The loop (re)starts from a synced, committed state at ``step``."""

@@ -14,6 +14,7 @@ stages (pipeline/elastic_state.py).
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 
@@ -81,3 +82,34 @@ def shares(extent: int, count: int, align: int = 64) -> list[tuple[int, int]]:
     step = -(-step // align) * align
     bounds = [min(extent, i * step) for i in range(count)] + [extent]
     return [(bounds[i], bounds[i + 1]) for i in range(count)]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """``owner`` sends its piece ``held`` of the chosen step to ``receiver``."""
+    receiver: int
+    owner: int
+    held: tuple
+
+
+def transfers(items: list[dict], step: int, needs: list[tuple[int, int]]) -> list[Transfer]:
+    """What moves so that each rank r holds ``needs[r]`` (a range of ``[0, extent)``) of
+    ``step``: nothing for a rank whose own pieces cover its range (its owner did not
+    change), else the pieces it lacks, each from one of the ranks holding it whole (spread
+    over them in turn, so a stage's replicas share the sending). Every rank
+    computes the same list, in the same order, from the same inventory."""
+    pieces = [(tuple(rng), item["rank"]) for item in items if item["step"] == step
+              for rng in item["ranges"]]
+    moves, served = [], Counter()      # receivers served so far by each set of holders
+    for rank, (start, end) in enumerate(needs):
+        mine = [rng for rng, owner in pieces if owner == rank]
+        for part in cover(items, step) or []:
+            lo, hi = max(part.start, start), min(part.end, end)
+            if lo >= hi or any(rng[0] <= lo and hi <= rng[1] for rng in mine):
+                continue
+            holders = tuple(sorted({(owner, rng) for rng, owner in pieces
+                                    if rng[0] <= lo and hi <= rng[1]}))
+            owner, held = holders[served[holders] % len(holders)]
+            served[holders] += 1
+            moves.append(Transfer(receiver=rank, owner=owner, held=held))
+    return moves

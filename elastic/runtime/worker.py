@@ -286,7 +286,8 @@ class Runtime:
             p = self.policy
             self.events.record("commit_interval", state.step, interval=interval,
                                commit_cost_s=p.commit_cost_s, step_time_s=p.step_time_s,
-                               mtbf_s=p.mtbf_s(), failures=p.failures)
+                               mtbf_s=p.mtbf_s(), failures=p.failures,
+                               mtbr_s=p.mtbr_s(), rollbacks=p.rollbacks)
         if checkpoint:
             self.checkpoint(state)
 
@@ -357,6 +358,8 @@ class Runtime:
         detail = detail or {}
         self.events.record("sync", state.step, cost_s=cost, size=self.world.size,
                            **detail, **self.audit(state))
+        if state.restored_from is not None:
+            self.policy.observe_recovery(detail.get("recovery"))
         if detail.get("recovery") and self.entries:   # which state a re-forming went on from
             failed_at = state.restored_from
             self.events.record(detail["recovery"], state.step, cost_s=cost, size=self.world.size,
