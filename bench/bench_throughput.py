@@ -14,8 +14,14 @@ arm alike, and no arm pays another's start-up.
 * regatta: ``regatta local`` (horovodrun elastic, 2 simulated hosts), the job through
   ``elastic.train.train`` with its default reduction (bench/throughput_worker.py);
 * stock: the same launcher, Horovod's documented elastic loop with DistributedOptimizer;
-* stock-tuned: the same with Horovod's cycle and fusion threshold set for this CPU
-  machine (``STOCK_TUNED_CYCLE_MS``, the fusion threshold at Regatta's bucket size);
+* stock at each point of ``--stock-sweep`` (``stock-<cycle>ms-<fusion>MiB``): the same
+  with ``HOROVOD_CYCLE_TIME`` and ``HOROVOD_FUSION_THRESHOLD`` set. Horovod's docs give no
+  CPU values for either; they point to its autotuner, which searches these two knobs. The
+  sweep is that search done by hand, side by side: by default cycles of 2.5, 5 and 10 ms
+  (Horovod's default is 1 ms, the plain stock arm) at Regatta's bucket size, and 5 ms at
+  Horovod's default 64 MiB. **stock-tuned** is the sweep's fastest point (median steps/s),
+  chosen after the turns; picked from the same turns it is measured in, it is if anything
+  flattered by the noise;
 * ddp: ``torchrun``, DistributedDataParallel over Gloo, at its defaults;
 * ddp-tuned: the same with ``gradient_as_bucket_view=True`` and Regatta's bucket size
   (``bucket_cap_mb``), as a user tuning it would.
@@ -53,12 +59,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 BIN = Path(sys.executable).parent
-ARMS = ("regatta", "stock", "stock-tuned", "ddp", "ddp-tuned")
-# Horovod's CPU settings for stock-tuned: the cycle a sweep of 1, 2.5, 5 and 10 ms found
-# best for Horovod on this machine (docs/measurements.md; at 1 ms, Horovod's default, the
-# stock loop's threads took 25-33 % of a rank's CPU), the fusion threshold at Regatta's
-# bucket size.
-STOCK_TUNED_CYCLE_MS = 5
+# at 1 ms, Horovod's default cycle, the stock loop's threads took 25-33 % of a rank's CPU
+# on two cores (docs/measurements.md); "bucket": Regatta's bucket size, in MiB
+STOCK_SWEEP = "2.5:bucket,5:bucket,10:bucket,5:64"
 MODELS = ("charlm", "mlp")
 ALLOCATORS = ("kept", "glibc", "shipped")
 RANKS = 2
@@ -81,7 +84,15 @@ def options(argv=None) -> argparse.Namespace:
                              "shipped: each arm as it ships (Regatta kept, the others glibc)")
     parser.add_argument("--shared-network", action="store_true",
                         help="stay in this network namespace (default as root: a private one)")
+    parser.add_argument("--stock-sweep", default=STOCK_SWEEP, metavar="CYCLE_MS:FUSION_MIB,...",
+                        help="Horovod settings of the stock loop to measure beside its defaults; "
+                             "FUSION_MIB may be 'bucket' (Regatta's bucket size); the fastest is "
+                             f"stock-tuned (default {STOCK_SWEEP})")
     opts = parser.parse_args(argv)
+    try:
+        opts.sweep = stock_sweep(opts.stock_sweep, bucket_mb(opts.set))
+    except ValueError as error:
+        parser.error(f"--stock-sweep: {error}")
     opts.models = [m for m in opts.models.split(",") if m]
     unknown = sorted(set(opts.models) - set(MODELS))
     if unknown:
@@ -91,8 +102,31 @@ def options(argv=None) -> argparse.Namespace:
     return opts
 
 
+def stock_sweep(spec: str, bucket: float) -> dict[str, tuple[float, float]]:
+    """``"2.5:bucket,5:64"`` -> {arm name: (cycle ms, fusion MiB)}."""
+    points = {}
+    for item in filter(None, spec.split(",")):
+        cycle, sep, fusion = item.partition(":")
+        if not sep:
+            raise ValueError(f"{item!r} is not CYCLE_MS:FUSION_MIB")
+        try:
+            point = (float(cycle), bucket if fusion == "bucket" else float(fusion))
+        except ValueError:
+            raise ValueError(f"{item!r}: numbers expected (or 'bucket' for the fusion)") from None
+        if point[0] <= 0 or point[1] <= 0:
+            raise ValueError(f"{item!r}: the cycle and the fusion threshold must be positive")
+        points[f"stock-{point[0]:g}ms-{point[1]:g}MiB"] = point
+    return points
+
+
+def arms_of(opts) -> tuple[str, ...]:
+    return ("regatta", "stock", *opts.sweep, "ddp", "ddp-tuned")
+
+
 # -- the arms' processes -------------------------------------------------------------------
-def start(arm: str, model: str, run_dir: Path, overrides: list[str], allocator: str) -> subprocess.Popen:
+def start(arm: str, model: str, run_dir: Path, overrides: list[str], allocator: str,
+          horovod: tuple[float, float] | None = None) -> subprocess.Popen:
+    """``horovod``: (cycle ms, fusion MiB) for a point of the stock sweep."""
     job_args = ["--arm", arm, "--model", model, "--db", str(run_dir / "m.db"),
                 *[f"--set={pair}" for pair in overrides]]
     if arm.startswith("ddp"):
@@ -110,9 +144,8 @@ def start(arm: str, model: str, run_dir: Path, overrides: list[str], allocator: 
     # OMP_NUM_THREADS of the bench's own: Regatta would follow it, the other arms not.
     env = {**os.environ, "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "lo",
            **allocator_env(arm, allocator)}
-    if arm == "stock-tuned":
-        env.update(HOROVOD_CYCLE_TIME=str(STOCK_TUNED_CYCLE_MS),
-                   HOROVOD_FUSION_THRESHOLD=str(int(bucket_mb(overrides) * 2**20)))
+    if horovod is not None:
+        env.update(HOROVOD_CYCLE_TIME=f"{horovod[0]:g}", HOROVOD_FUSION_THRESHOLD=str(int(horovod[1] * 2**20)))
     run_dir.mkdir(parents=True, exist_ok=True)
     log = open(launcher_log(run_dir), "w")
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -197,16 +230,17 @@ def measure(model: str, opts, workdir: Path) -> dict:
     """Start, warm up and stop each arm, then give them turns; what each did in each turn."""
     arms: dict[str, tuple] = {}
     try:
-        for arm in ARMS:
+        every = arms_of(opts)
+        for arm in every:
             run_dir = workdir / f"{model}-{arm}"
-            proc = start(arm, model, run_dir, opts.set, opts.allocator)
+            proc = start(arm, model, run_dir, opts.set, opts.allocator, opts.sweep.get(arm))
             pids = warm_up(arm, proc, run_dir, opts.warmup)
             signal_all(pids, signal.SIGSTOP)
             arms[arm] = (proc, pids, run_dir)
             print(f"{model}: {arm} warmed up", flush=True)
-        turns = {arm: [] for arm in ARMS}
+        turns = {arm: [] for arm in every}
         for round_ in range(opts.rounds):
-            order = ARMS[round_ % len(ARMS):] + ARMS[:round_ % len(ARMS)]
+            order = every[round_ % len(every):] + every[:round_ % len(every)]
             for arm in order:
                 _, pids, _ = arms[arm]
                 signal_all(pids, signal.SIGCONT)
@@ -233,27 +267,30 @@ def spread(values: list[float], fmt: str = "{:.3f}") -> str:
             f"{fmt.format(max(values))}]")
 
 
-def report(model: str, result: dict, memcpy: float) -> None:
+def report(model: str, result: dict, memcpy: float, sweep: dict) -> None:
     turns, logs = result["turns"], result["logs"]
-    rates = {arm: [turn_rate(logs[arm][1], b, e) for b, e, _ in turns[arm]] for arm in ARMS}
+    arms = tuple(turns)
+    rates = {arm: [turn_rate(logs[arm][1], b, e) for b, e, _ in turns[arm]] for arm in arms}
     header = logs["stock"][0]
     batch, nbytes = header["global_batch"], header["grad_bytes"]
     print(f"\n== {model}: {nbytes / 2**20:.1f} MiB of gradients, global batch {batch}, {RANKS} ranks, "
           f"{len(turns['regatta'])} turns of each arm")
-    print(f"{'arm':11} {'steps/s median [min-max]':>26} {'samples/s':>10} {'peak RSS/rank MiB':>18} "
+    print(f"{'arm':21} {'steps/s median [min-max]':>26} {'samples/s':>10} {'peak RSS/rank MiB':>18} "
           f"{'threads/rank':>12} {'freed memory':>12}")
-    for arm in ARMS:
+    for arm in arms:
         good = [r for r in rates[arm] if r is not None]
         kept = {True: "kept", False: "glibc"}.get(logs[arm][0].get("keeps_freed_memory"), "?")
-        print(f"{arm:11} {spread(good):>26} {statistics.median(good) * batch:10.1f} "
+        print(f"{arm:21} {spread(good):>26} {statistics.median(good) * batch:10.1f} "
               f"{max(result['rss'][arm]) / 2**20:18.0f} {logs[arm][0].get('threads', '?'):>12} "
               f"{kept:>12}")
-    for other in ARMS[1:]:
+    tuned = max(sweep, key=lambda arm: statistics.median(r for r in rates[arm] if r is not None),
+                default="stock")
+    cycle, fusion = sweep.get(tuned, (None, None))
+    print(f"stock-tuned = {tuned}: the fastest of the sweep (HOROVOD_CYCLE_TIME={cycle} ms, "
+          f"HOROVOD_FUSION_THRESHOLD={fusion} MiB); ddp-tuned: {logs['ddp-tuned'][0].get('ddp_options')}")
+    for name, other in (("stock", "stock"), ("stock-tuned", tuned), ("ddp", "ddp"), ("ddp-tuned", "ddp-tuned")):
         ratios = [a / b for a, b in zip(rates["regatta"], rates[other]) if a and b]
-        print(f"regatta / {other:11}: {spread(ratios)} per round")
-    print(f"stock-tuned: HOROVOD_CYCLE_TIME={logs['stock-tuned'][0].get('cycle_ms')} ms, "
-          f"HOROVOD_FUSION_THRESHOLD={logs['stock-tuned'][0].get('fusion_bytes')} bytes; "
-          f"ddp-tuned: {logs['ddp-tuned'][0].get('ddp_options')}")
+        print(f"regatta / {name:11}: {spread(ratios)} per round")
     rows = [s for b, e, _ in turns["regatta"] for s in logs["regatta"][1] if b <= s["t"] <= e]
     overlap = [s["overlap"] for s in rows if s.get("overlap") is not None]
     exposed = [s["comm_time"] / s["step_time"] for s in rows if s.get("step_time")]
@@ -265,7 +302,7 @@ def report(model: str, result: dict, memcpy: float) -> None:
         bus = nbytes * 2 * (RANKS - 1) / RANKS / seconds
         print(f"allreduce of the gradients alone, {name:22}: {seconds * 1e3:7.1f} ms, bus bandwidth "
               f"{bus / 1e9:5.2f} GB/s = {bus / memcpy:.2f} x memcpy ({memcpy / 1e9:.1f} GB/s)")
-    loads = [load for arm in ARMS for _, _, load in turns[arm]]
+    loads = [load for arm in arms for _, _, load in turns[arm]]
     print(f"loadavg (1 min) during the turns: {min(loads):.2f}-{max(loads):.2f}")
 
 
@@ -293,7 +330,7 @@ def main(argv=None) -> None:
         results = {model: measure(model, opts, Path(tmp)) for model in opts.models}
     memcpy = memcpy_bandwidth()
     for model in opts.models:
-        report(model, results[model], memcpy)
+        report(model, results[model], memcpy, opts.sweep)
     print(f"\nloadavg at end: {Path('/proc/loadavg').read_text().strip()}")
 
 

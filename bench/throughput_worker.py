@@ -108,8 +108,8 @@ def run_regatta(job, config, header: dict) -> None:
 
 
 def run_stock(job, config, header: dict, arm: str = "stock") -> None:
-    """Horovod's documented elastic loop; "stock-tuned" differs only in the environment
-    bench_throughput gives it (HOROVOD_CYCLE_TIME, HOROVOD_FUSION_THRESHOLD)."""
+    """Horovod's documented elastic loop; a point of the stock sweep differs only in the
+    environment bench_throughput gives it (HOROVOD_CYCLE_TIME, HOROVOD_FUSION_THRESHOLD)."""
     import horovod.torch as hvd
     from elastic.optim import make_optimizer
     cfg = config["train"]
@@ -175,15 +175,25 @@ def run_ddp(job, config, header: dict, arm: str = "ddp") -> None:
     os._exit(0)
 
 
-ARMS = {"regatta": run_regatta, "stock": run_stock, "stock-tuned": run_stock, "ddp": run_ddp,
-        "ddp-tuned": run_ddp}
+def runner(arm: str):
+    """The loop an arm runs: ``stock-<cycle>ms-<fusion>MiB`` is the stock loop under the
+    Horovod settings bench_throughput gives it."""
+    if arm == "regatta":
+        return run_regatta
+    if arm == "stock" or arm.startswith("stock-"):
+        return run_stock
+    if arm in ("ddp", "ddp-tuned"):
+        return run_ddp
+    raise SystemExit(f"unknown arm {arm!r}: regatta, stock, stock-<cycle>ms-<fusion>MiB, ddp or ddp-tuned")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="one arm of bench_throughput")
-    parser.add_argument("--arm", choices=ARMS, required=True)
+    parser.add_argument("--arm", required=True, help="regatta, stock, stock-<cycle>ms-<fusion>MiB, "
+                                                      "ddp or ddp-tuned")
     parser.add_argument("--model", choices=("charlm", "mlp"), required=True)
     ours, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    run_arm = runner(ours.arm)
     keeps = Env.read().keep_freed_memory      # bench_throughput --allocator
     if keeps and ours.arm != "regatta":     # Regatta's runtime does it itself
         keeps = keep_freed_memory()
@@ -193,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     if ours.arm == "regatta":
         run_regatta(job, config, header)
     else:
-        ARMS[ours.arm](job, config, header, ours.arm)
+        run_arm(job, config, header, ours.arm)
 
 
 if __name__ == "__main__":

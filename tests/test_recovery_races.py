@@ -1,4 +1,4 @@
-"""Failures during a recovery: a second SIGKILL 100-250 ms after the first, from outside,
+"""Failures during a recovery: a second SIGKILL 100-150 ms after the first, from outside,
 while the survivors re-form the world; a second death at the worst instant, while Gloo
 connects the new world, which makes Gloo abort every survivor; and one the instant the new
 world is up, as the sync starts; and one as the new world's lifelines are built. The job recovers on whoever is left and finishes in
@@ -22,15 +22,39 @@ pytestmark = [pytest.mark.skipif(bool(UNAVAILABLE), reason=UNAVAILABLE),
 
 @pytest.fixture(scope="module")
 def double_kills(tmp_path_factory):
-    """5 hosts; two episodes of two kills each, the second during the first's recovery."""
-    tmp = tmp_path_factory.mktemp("races")
-    report = tmp / "report.json"
-    done = run([str(BIN / "regatta"), "local", "digits", "--hosts", "5", "--steps", "360",
-                "--commit-every", "10", "--sigkill", "2@60", "--sigkill", "3@60+0.1",
-                "--sigkill", "4@200", "--sigkill", "5@200+0.25", "--run-dir", str(tmp / "run"),
-                "--report", str(report), "--timeout", "280", "--seed", "7"],
-               timeout=300, env={"REGATTA_AUDIT": "1"}, check=False)
-    return done, json.loads(report.read_text()), (tmp / "run" / "horovodrun.log").read_text()
+    """5 hosts; two episodes of two kills each, the second during the first's recovery
+    (0.1 s and 0.15 s after it, from outside; a recovery takes 0.16-0.32 s here alone).
+    A run where a second kill came after the first's recovery had ended (the machine
+    slow to strike, or the recovery quick) never reached the race: it is run again, up
+    to ATTEMPTS_DURING times, and the test fails saying so if none did."""
+    for attempt in range(ATTEMPTS_DURING):
+        tmp = tmp_path_factory.mktemp("races")
+        report = tmp / "report.json"
+        done = run([str(BIN / "regatta"), "local", "digits", "--hosts", "5", "--steps", "360",
+                    "--commit-every", "10", "--sigkill", "2@60", "--sigkill", "3@60+0.1",
+                    "--sigkill", "4@200", "--sigkill", "5@200+0.15", "--run-dir", str(tmp / "run"),
+                    "--report", str(report), "--timeout", "280", "--seed", "7"],
+                   timeout=300, env={"REGATTA_AUDIT": "1"}, check=False)
+        result = done, json.loads(report.read_text()), (tmp / "run" / "horovodrun.log").read_text()
+        if done.returncode != 0 or all(during_recovery(result[1])):
+            break
+    print("attempts", attempt + 1, "second kills during the recovery", during_recovery(result[1]))
+    return result
+
+
+ATTEMPTS_DURING = 3
+
+
+def during_recovery(report) -> list[bool]:
+    """For each episode, whether its second kill struck before the first step at the new
+    size (the recovery from the first kill still going on)."""
+    struck = [e for e in report["events"] if e["kind"] in ("fault_injected", "fault_missed")
+              and e["fault"] == "kill"]
+    answers = []
+    for first, second in (struck[0:2], struck[2:4]):
+        resumed = [e["wall_time"] for e in kinds(report, "resumed") if e["wall_time"] > first["wall_time"]]
+        answers.append(bool(resumed) and second["wall_time"] < min(resumed))
+    return answers
 
 
 def test_the_job_finishes_on_the_last_host(double_kills):
@@ -54,8 +78,11 @@ def test_each_double_failure_is_recovered_in_seconds(double_kills):
     struck = [e for e in report["events"] if e["kind"] in ("fault_injected", "fault_missed")
               and e["fault"] == "kill"]
     assert [e["target"] for e in struck] == ["127.0.0.3", "127.0.0.4", "127.0.0.5", "127.0.0.6"]
+    assert all(during_recovery(report)), (
+        f"in {ATTEMPTS_DURING} runs a second kill came after the first's recovery had ended "
+        f"({during_recovery(report)} in the last): the race this guards was never reached")
     for first, second in (struck[0:2], struck[2:4]):
-        # chained to the strike before it (+0.1 s, +0.25 s); finding a host's processes
+        # chained to the strike before it (+0.1 s, +0.15 s); finding a host's processes
         # (a scan of every process) and a late timer on a busy machine add to that, while
         # the survivors recover on the same two cores
         assert 0.05 < second["wall_time"] - first["wall_time"] < 2.0
@@ -79,6 +106,16 @@ def test_the_survivor_continues_from_its_live_state_or_its_last_commit(double_ki
         if sync["source"] == "live":
             (restore, *_) = [e for e in reversed(survivor) if e["kind"] == "restore"
                              and e["wall_time"] < sync["wall_time"]]
+            loaded = [e for e in survivor if e["kind"] == "handoff_loaded"
+                      and restore["wall_time"] < e["wall_time"] < sync["wall_time"]]
+            if loaded and not loaded[-1]["live"]:
+                # Gloo aborted it and its replacement took over its commit alone (seen
+                # 2026-12-07: two survivors a step ahead aborted, one of them then killed):
+                # no live state of its own, it received the newest one a survivor kept,
+                # between that commit and the step it had been in
+                assert sync["rank"] not in sync["senders"], (sync, loaded)
+                assert loaded[-1]["step"] <= sync["step"] <= restore["from_step"], (sync, restore, loaded)
+                continue
             # the step it was in (a restart in place records the commit's as its restore
             # step), or the one after it, where the death came inside the step's last
             # collective and another survivor finished it: this rank was behind and took it
