@@ -25,6 +25,7 @@ def _require(ok: bool, message: str) -> None:
 OPTIMIZERS = ("adam", "adamw", "sgd")
 GRADIENT_SUMS = ("auto", "horovod", "gloo")   # who sums the buckets (dataparallel/gloo_sums.py)
 RECOVER_FROM = ("live", "commit")     # where survivors take the state from (dataparallel/live.py)
+STATE_TRANSFER = ("auto", "point_to_point", "broadcast")   # how a sync moves state (dataparallel/state.py)
 
 
 @dataclass
@@ -42,6 +43,9 @@ class TrainConfig:
     checkpoint_every: int = 5       # commits between durable checkpoints (0: never)
     recover_from: str = "live"      # live: survivors go on from their own state after a
                                     # failure; commit: every failure rolls back to the last commit
+    state_transfer: str = "auto"    # auto | point_to_point | broadcast: how a sync moves CPU
+                                    # state under Horovod on Gloo (auto: point to point where the
+                                    # world's Gloo group is open or the bytes are >= 64 MiB)
     checkpoint_dir: str = ""        # "" -> <run_dir>/checkpoint
     eval_every: int = 0             # steps between evaluations on rank 0, logged (0: only at end)
     seed: int = 0
@@ -77,6 +81,8 @@ class TrainConfig:
                  f"train.commit_every must be a positive integer or 'auto', got {self.commit_every!r}")
         _require(self.recover_from in RECOVER_FROM,
                  f"train.recover_from must be one of {', '.join(RECOVER_FROM)}, got {self.recover_from!r}")
+        _require(self.state_transfer in STATE_TRANSFER,
+                 f"train.state_transfer must be one of {', '.join(STATE_TRANSFER)}, got {self.state_transfer!r}")
         _require(self.checkpoint_every >= 0,
                  f"train.checkpoint_every must be >= 0, got {self.checkpoint_every}")
         _require(self.eval_every >= 0, f"train.eval_every must be >= 0, got {self.eval_every}")

@@ -33,6 +33,8 @@ def test_values_from_file_and_overrides(tmp_path):
     ("[model]\nhidden = -1\n", [], "model.hidden must be > 0, got -1"),
     ("[train\n", [], "not valid TOML"),
     ("", ["train.lr=fast"], "train.lr must be a number, got 'fast'"),
+    ("", ["train.state_transfer=tcp"],
+     "train.state_transfer must be one of auto, point_to_point, broadcast, got 'tcp'"),
 ])
 def test_bad_config_names_the_problem(tmp_path, text, overrides, message):
     with pytest.raises(ConfigError) as err:
@@ -139,3 +141,9 @@ def test_horovods_cycle_on_the_cpu_is_20_ms_waking_5_not_unless_the_job_or_the_e
     assert TrainConfig().horovod_cycle_ms == 0
     with pytest.raises(ConfigError, match="train.horovod_cycle_ms must be >= 0"):
         TrainConfig(horovod_cycle_ms=-1)
+
+
+def test_a_sync_goes_point_to_point_from_64_mib_unless_told():
+    from elastic.dataparallel.state import point_to_point
+    assert [point_to_point("auto", n) for n in (300_000, 64 * 2**20 - 1, 64 * 2**20)] == [False, False, True]
+    assert point_to_point("point_to_point", 1) and not point_to_point("broadcast", 2**40)

@@ -80,6 +80,10 @@ def test_unprivileged_run_recovers_from_rank_0_killed_from_outside(nobody_run):
     assert failure["pid"] == started[0]["pid"]            # the training process itself
     assert added["kind"] == "host_added" and added["size_after"] == 3
     assert (report["final_step"], report["final_world_size"]) == (800, 3)
+    # digits' 300 KB of state reach the new worker by broadcast: opening the world's
+    # Gloo group for them would cost more than they take (train.state_transfer = auto)
+    joined = [e for e in kinds(report, "sync") if e["wall_time"] > added["wall_time"] and e["size"] == 3]
+    assert len(joined) == 3 and {e["transport"] for e in joined} == {"broadcast"}
 
 
 def test_faults_and_the_job_share_one_run_in_the_store(nobody_run):

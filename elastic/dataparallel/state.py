@@ -40,6 +40,10 @@ from elastic.runtime.state import RuntimeState
 from . import live, snapshot
 
 FORMAT = "regatta-dataparallel/1"
+# Opening the world's Gloo group for a sync cost 0.04-0.35 s (digits joining, 2026-12-07),
+# a broadcast of 300 KB a few ms: point to point pays for itself from about this many bytes
+# (2.4 against 0.37 GB/s at 100M, docs/measurements.md)
+POINT_TO_POINT_MIN_BYTES = 64 * 2**20
 LIVE_HANDOFF_FORMAT = "regatta-dataparallel-live/1"
 HANDOFF_LOCK_S = 1.0     # a sync writing the live tensors this long: hand over the commit only
 
@@ -187,7 +191,8 @@ class TrainState(RuntimeState):
         event's detail: how it went, the seconds the bytes took to arrive and how many
         this rank received (with the bytes moved: its achieved bandwidth)."""
         world, hvd = self.runtime.world, self.runtime.hvd
-        direct = not on_cuda and world.size > 1 and hvd is not None and hvd.gloo_enabled()
+        direct = not on_cuda and world.size > 1 and hvd is not None and hvd.gloo_enabled() \
+            and point_to_point(self.runtime.cfg.state_transfer, max((p.end for p in parts), default=0))
         if direct:   # opened before the clock starts: transfer_s is the bytes' alone
             self.runtime.group.open_for(world, self.runtime.collectives)
         started = time.perf_counter()
@@ -340,3 +345,11 @@ class TrainState(RuntimeState):
         return {"param_hash": checkpoint.parameter_hash(self.model),
                 "optimizer_hash": tree_digest(self.optimizer.state_dict()),
                 "state_hash": tree_digest(self.live())}
+
+
+def point_to_point(setting: str, nbytes: int) -> bool:
+    """Whether a sync moving ``nbytes`` goes point to point (``train.state_transfer``);
+    every rank decides alike, from the same parts."""
+    if setting == "auto":
+        return nbytes >= POINT_TO_POINT_MIN_BYTES
+    return setting == "point_to_point"
