@@ -44,8 +44,7 @@ class TrainConfig:
     recover_from: str = "live"      # live: survivors go on from their own state after a
                                     # failure; commit: every failure rolls back to the last commit
     state_transfer: str = "auto"    # auto | point_to_point | broadcast: how a sync moves CPU
-                                    # state under Horovod on Gloo (auto: point to point where the
-                                    # world's Gloo group is open or the bytes are >= 64 MiB)
+                                    # state under Horovod on Gloo (auto: point to point from 64 MiB)
     checkpoint_dir: str = ""        # "" -> <run_dir>/checkpoint
     eval_every: int = 0             # steps between evaluations on rank 0, logged (0: only at end)
     seed: int = 0

@@ -329,3 +329,27 @@ def test_two_failures_taking_every_copy_of_a_stage_recover_from_disk(tmp_path):
     assert {e["step"] for e in resumed} == {step}
     first = min(e["wall_time"] for e in lost)
     assert {e["param_hash"] for e in synced} == {committed(report, step, first)}
+
+
+def test_a_stage_with_buffers_is_not_gone_on_from_live():
+    """A failed step's forward may have written BatchNorm's running statistics, and the
+    pipeline does not take that back: such a stage recovers from its commit instead."""
+    from types import SimpleNamespace
+    from elastic.data.sampler import Cursor
+    from elastic.pipeline.elastic_state import ElasticPipeline
+
+    def live_of(module, recover_from="live"):
+        state = ElasticPipeline.__new__(ElasticPipeline)
+        state.runtime = SimpleNamespace(cfg=SimpleNamespace(recover_from=recover_from))
+        state.run = SimpleNamespace(step=7, cursor=Cursor(0, 70), children=(0, 2),
+                                    plan=SimpleNamespace(stages=[(0, 2), (2, 4)]),
+                                    stage=SimpleNamespace(module=module),
+                                    optimizer=torch.optim.SGD(module.parameters(), lr=0.1))
+        return state._live_gen()
+
+    plain = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.LayerNorm(3))
+    live = live_of(plain)
+    assert (live["step"], live["extent"], list(live["held"])) == (7, 4, [(0, 2)])
+    assert torch.equal(live["held"][(0, 2)]["model"]["0.weight"], plain[0].weight)
+    assert live_of(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))) is None
+    assert live_of(plain, recover_from="commit") is None

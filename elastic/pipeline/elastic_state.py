@@ -67,6 +67,8 @@ class ElasticPipeline(RuntimeState):
     def step(self) -> int:
         if self.run is not None:
             return self.run.step
+        if self.live is not None:   # a failure during the sync after one: still that step
+            return self.live["step"]
         return self.gens[0]["step"] if self.gens else 0
 
     @property
@@ -100,10 +102,7 @@ class ElasticPipeline(RuntimeState):
     def leave_world(self) -> None:
         """Close the Gloo group: peers blocked on this rank fail at once, not at the timeout."""
         if self.run is not None and self.run.transport is not None:
-            try:
-                self.run.transport.close()
-            except Exception:  # noqa: BLE001 - a group whose peers died may not close cleanly
-                pass
+            close_quietly(self.run.transport)
             self.run.transport = None
 
     def restore_committed(self) -> None:
@@ -206,8 +205,12 @@ class ElasticPipeline(RuntimeState):
                     stages=best.stages, microbatch_size=gb // (best.dp * m))
 
     def _live_gen(self) -> dict | None:
+        """This rank's stage as a piece of its step, or None where it must not be gone on
+        from: with ``recover_from = "commit"``, and where the stage has buffers (BatchNorm's
+        running statistics: a failed step's forward may have written them, and nothing
+        here takes that back, as the data-parallel engine's BufferStash does)."""
         run = self.run
-        if self.runtime.cfg.recover_from != "live":
+        if self.runtime.cfg.recover_from != "live" or any(b.numel() for b in run.stage.module.buffers()):
             return None
         return {"step": run.step, "epoch": run.cursor.epoch, "consumed": run.cursor.consumed,
                 "extent": run.plan.stages[-1][1],
@@ -237,25 +240,33 @@ class ElasticPipeline(RuntimeState):
         groups = [[r * plan.pp + s for r in range(plan.dp)] for s in range(plan.pp)]
         transport = GlooTransport(world.rank, world.size, init, groups, world.rank % plan.pp,
                                   timeout_s=120, interface=self.runtime.env.gloo_iface)
-        run = build_run(self.engine.job, self.engine.train, plan, world, transport,
-                        self.engine.device)
-        moved = {"received_bytes": 0, "move_s": 0.0}
-        if step is not None:
-            started = time.perf_counter()
-            mine = {rng: g["held"][rng] for g in held if g["step"] == step for rng in g["held"]}
-            needs = [plan.stages[r % plan.pp] for r in range(world.size)]
-            pieces, moved["received_bytes"] = send_pieces(transport, transfers(items, step, needs),
-                                                          mine, world.rank)
-            import_stage(run.stage.module, run.optimizer, pieces)
-            item = next(i for i in items if i["step"] == step)
-            run.step, run.cursor = step, Cursor(item["epoch"], item["consumed"])
-            moved["move_s"] = round(time.perf_counter() - started, 4)
-        loaded = resume(run) if step is None and from_disk else None
+        try:
+            run = build_run(self.engine.job, self.engine.train, plan, world, transport,
+                            self.engine.device)
+            moved = self._fill(run, items, step, held) if step is not None else {}
+            loaded = resume(run) if step is None and from_disk else None
+        except BaseException:
+            # a peer lost while the pieces moved: no run holds this group, so close it here
+            # (peers blocked on this rank fail at once, and the next world can open its own)
+            close_quietly(transport)
+            raise
         # only now: a stage whose loading failed is not live state to go on from
         self.run, self.buddy = run, buddies(hosts)
         if step is None and from_disk:
             self.runtime.resumed(self, loaded)
-        return moved
+        return {"received_bytes": 0, "move_s": 0.0, **moved}
+
+    def _fill(self, run, items: list[dict], step: int, held: list[dict]) -> dict:
+        """Load ``run``'s stage with step ``step``: this rank's own pieces of it, and those
+        it lacks received from the ranks holding them (while it sends theirs)."""
+        started, plan, world = time.perf_counter(), run.plan, run.world
+        mine = {rng: g["held"][rng] for g in held if g["step"] == step for rng in g["held"]}
+        needs = [plan.stages[r % plan.pp] for r in range(world.size)]
+        pieces, received = send_pieces(run.transport, transfers(items, step, needs), mine, world.rank)
+        import_stage(run.stage.module, run.optimizer, pieces)
+        item = next(i for i in items if i["step"] == step)
+        run.step, run.cursor = step, Cursor(item["epoch"], item["consumed"])
+        return {"received_bytes": received, "move_s": round(time.perf_counter() - started, 4)}
 
     def _record_replan(self, plan: Plan, from_memory: bool, moved: dict, started: float) -> None:
         old = self.last_plan
@@ -266,6 +277,13 @@ class ElasticPipeline(RuntimeState):
                                        cost_s=time.perf_counter() - started,
                                        from_memory=from_memory)
         self.last_plan = new
+
+
+def close_quietly(transport) -> None:
+    try:
+        transport.close()
+    except Exception:  # noqa: BLE001 - a group whose peers died may not close cleanly
+        pass
 
 
 def recovery_of(source: str, items: list[dict], step: int | None) -> dict:

@@ -8,8 +8,8 @@ Why rollbacks, not failures: Young/Daly balances the commits' cost against the w
 failure throws away, on average half an interval. A failure the survivors recover from
 their live state (``recovered_live``, ``adopted``) throws away only the step it
 interrupted, whatever the interval; only one that goes back to a commit or to the
-checkpoint (``restored_commit``, ``restored_checkpoint``; every failure of the pipeline)
-loses the steps since the commit. So the failures that count are the rollbacks, and a job
+checkpoint (``restored_commit``, ``restored_checkpoint``; a sync that names no recovery
+counts as one) loses the steps since the commit. So the failures that count are the rollbacks, and a job
 whose failures recover live commits less often: with a rollback fraction p of failures,
 the interval is 1/sqrt(p) times the one counting every failure.
 
@@ -101,7 +101,7 @@ class CommitPolicy:
 
     def observe_recovery(self, recovery: str | None) -> None:
         """A failure's re-forming went on from ``recovery`` (the sync's; None where the
-        engine does not say, as the pipeline, which always goes back to its commit)."""
+        engine does not say: taken for a rollback, the safe side)."""
         if recovery not in LIVE_RECOVERIES:
             self.rollbacks += 1
 
