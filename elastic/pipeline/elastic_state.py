@@ -7,15 +7,15 @@ reset (the runtime runs the loop; engine.py plugs this in).
 On every (re)entry ``sync_state`` makes the grid fit the world: the configured
 ``pipeline.pp`` (and ``dp``) when the world size allows, otherwise the planner's choice
 within ``planner.pp_min..pp_max`` from layer costs rank 0 measured once (every rank keeps
-them, so the costs outlive rank 0). The stage state comes from the survivors'
-live stages where those make a whole model (dp >= 2: a replica of every stage survived;
-the newest step they reach wins: ``recovered_live``, or ``adopted`` where some were one
-step behind), else from the last commit held in memory (shards.py: own shards, dp peers,
-buddy copies; ``restored_commit``), else from the durable pipeline checkpoint
-(``restored_checkpoint``), else from the seed. Only what a rank lacks for its stage
-under the new plan moves to it, point to point from a rank holding it. The torch.distributed Gloo group is
-destroyed and rebuilt (rank 0 picks a port and broadcasts the address over Horovod under
-an explicit name), and a transport error is re-raised as ``HorovodInternalError`` so
+them, so the costs outlive rank 0). The stage state comes from the survivors' live stages
+where those make a whole model (dp >= 2: a replica of every stage survived; the newest
+step they reach wins: ``recovered_live``, or ``adopted`` where some were one step behind),
+else from the last commit held in memory (shards.py: own shards, dp peers, buddy copies;
+``restored_commit``), else from the durable pipeline checkpoint (``restored_checkpoint``),
+else from the seed. Only what a rank lacks for its stage under the new plan moves to it,
+point to point from a rank holding it. The torch.distributed Gloo group is destroyed and
+rebuilt (rank 0 picks a port and broadcasts the address over Horovod under an explicit
+name), and a transport error is re-raised as ``HorovodInternalError`` so
 ``hvd.elastic.run`` restores.
 """
 from __future__ import annotations
