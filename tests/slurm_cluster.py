@@ -161,7 +161,7 @@ def trainer_on(hostname: str, job_id: str) -> int | None:
         except OSError:
             continue
         if f"HOROVOD_HOSTNAME={hostname}".encode() in environ and b"jobs.digits" in cmdline \
-                and not any(b"horovodrun" in part for part in cmdline):
+                and not any(b"horovodrun" in part or b"elastic.launch.shim" in part for part in cmdline):
             return pid
     return None
 
@@ -198,11 +198,13 @@ def drain_and_kill(workdir: Path) -> dict:
     step = progress(run_dir)[0]
     wait_for(lambda: progress(run_dir)[0] >= step + 40, 60, "40 steps at 2")
     victim = wait_for(lambda: trainer_on("sim-host1", job), 10, "the worker on sim-host1")
+    parent = Path(f"/proc/{victim}/status").read_text().split("PPid:")[1].split()[0]
+    started_by = Path(f"/proc/{parent}/cmdline").read_bytes().decode().split("\0")
     os.kill(victim, signal.SIGKILL)
     killed_at = time.time()
     wait_for(lambda: finished(job), 180, "the job's end")
     return {"job": job, "drained_at": drained_at, "killed_at": killed_at, "victim": victim,
-            "state": job_state(job)}
+            "started_by": started_by, "state": job_state(job)}
 
 
 def scancel_and_resume(workdir: Path) -> dict:

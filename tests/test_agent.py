@@ -1,5 +1,6 @@
 """Warm agents and the worker shim: a forked worker behaves like a fresh process to
-horovodrun (output, exit status, signals), and without an agent the shim just execs."""
+horovodrun (output, exit status, signals); without an agent the shim forks one of its own,
+which starts the worker cold and restarts it in place as a warm agent does."""
 import json
 import signal
 import socket
@@ -8,6 +9,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 
 from horovod.runner.http.http_server import KVStoreServer
@@ -48,7 +50,69 @@ def shim(host, run_dir=None, extra_env=None, job=JOB, args=(), **kwargs):
                             text=True, **kwargs)
 
 
-def test_without_agent_the_shim_execs_python(tmp_path):
+@pytest.fixture(params=["warm", "own"])
+def either_agent(request, agent):
+    """A host's warm agent, or none: then the shim forks an agent of its own, which starts
+    the worker cold and handles its death and restart as a warm one does."""
+    return agent if request.param == "warm" else f"no-agent-{time.monotonic_ns()}"
+
+
+def ended(pid: int) -> bool:
+    try:
+        return "\tZ" in Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0]
+    except (FileNotFoundError, IndexError):
+        return True
+
+
+def test_without_agent_the_shim_starts_its_worker_under_an_agent_of_its_own(tmp_path):
+    host = "no-agent-here"
+    proc = shim(host, tmp_path, job=["-c", "import os, time; print(os.getppid(), flush=True); "
+                                           "time.sleep(0.5); os.kill(os.getpid(), 9)"])
+    out, _ = proc.communicate(timeout=60)
+    parent = int(out.split()[0])
+    assert parent != proc.pid   # not the shim itself, exec'd
+    assert proc.returncode == -signal.SIGKILL   # the worker's death, passed on as it came
+    # its agent was a fork of the shim, and ends with its worker
+    deadline = time.monotonic() + 10
+    while ended(parent) is False and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert ended(parent)
+    assert "spawn" not in out   # what an agent tells a launcher is not the job's output
+
+
+def test_a_sigkill_under_the_shims_own_agent_is_told_to_peers_and_the_driver(tmp_path, rendezvous_store):
+    """No warm agent: the shim's own one shuts the killed worker's lifelines the moment
+    the signal is sent and marks the rendezvous, so survivors re-forming at that instant
+    stop waiting for it (under a bare horovodrun: Gloo's 30 s)."""
+    folder = tmp_path / "exchange"
+    folder.mkdir()
+    env = {"HOROVOD_GLOO_RENDEZVOUS_ADDR": rendezvous_store[0],
+           "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rendezvous_store[1])}
+    proc = shim(f"no-agent-{time.monotonic_ns()}", extra_env=env, job=(HOLDER,),
+                args=("--exchange", str(folder)))
+    deaths = []
+    try:
+        peer = Lifeline(1, 2, "test-peer", "127.0.0.1", allgather_through(folder, 1, 2),
+                        Heartbeat(), lambda rank, host, how, when: deaths.append((rank, how, when)))
+        assert proc.stdout.readline().strip() == "up"
+        time.sleep(0.2)   # its lifelines reach the agent
+        worker = next(p for p in psutil.Process(proc.pid).children(recursive=True)
+                      if "lifeline_holder" in " ".join(p.cmdline()) and "elastic.launch.shim" not in p.cmdline())
+        killed = time.time()
+        worker.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+        deadline = time.monotonic() + 5
+        while not deaths and time.monotonic() < deadline:
+            time.sleep(0.01)
+        peer.close()
+    finally:
+        kill_tree(proc.pid)
+    assert [(rank, how) for rank, how, _ in deaths] == [(0, "eof")]
+    assert deaths[0][2] - killed < 1.0
+    assert restart.marked(rendezvous_store)
+
+
+def test_without_agent_the_shim_runs_the_job_to_the_end(tmp_path):
     proc = shim("no-agent-here", tmp_path)
     assert proc.wait(timeout=120) == 0
     assert (tmp_path / "result.json").exists()
@@ -122,6 +186,7 @@ TERMS = str(ROOT / "tests" / "workers" / "sigterm_worker.py")
 STUCK = str(ROOT / "tests" / "workers" / "stuck_shutdown_worker.py")
 STUCK_STEP = str(ROOT / "tests" / "workers" / "stuck_collective_worker.py")
 RESTARTING = str(ROOT / "tests" / "workers" / "restarting_peer_worker.py")
+HOLDER = str(ROOT / "tests" / "workers" / "lifeline_holder.py")
 
 
 def test_worker_aborted_while_re_forming_is_replaced_with_its_handoff(agent):
@@ -134,12 +199,12 @@ def test_worker_aborted_while_re_forming_is_replaced_with_its_handoff(agent):
     assert f"replacement of {handed} slot 1" in out
 
 
-def test_a_survivor_whose_horovod_shutdown_hangs_is_replaced_with_its_commit(agent, tmp_path):
+def test_a_survivor_whose_horovod_shutdown_hangs_is_replaced_with_its_commit(either_agent, tmp_path):
     """A death just after the new world's ``hvd.init`` can leave a survivor's Horovod
     background loop in a Gloo wait with no connection left to sever (seen: 30 s), and the
     reset's ``hvd.shutdown`` waits for that loop. Within seconds its recovery restarts it in
     place; the replacement gets its commit; horovodrun sees one worker that exited 0."""
-    proc = shim(agent, tmp_path, job=(STUCK,))
+    proc = shim(either_agent, tmp_path, job=(STUCK,))
     out, _ = proc.communicate(timeout=90)
     assert proc.returncode == 0 and "never restarted" not in out, out
     assert "replacement given [b'commit of step 7']" in out, out
@@ -150,12 +215,12 @@ def test_a_survivor_whose_horovod_shutdown_hangs_is_replaced_with_its_commit(age
     assert GLOO_STUCK_S <= restarted["wall_time"] - began < GLOO_STUCK_S + 3
 
 
-def test_a_survivor_whose_step_collective_outlives_the_sever_is_replaced(agent, tmp_path):
+def test_a_survivor_whose_step_collective_outlives_the_sever_is_replaced(either_agent, tmp_path):
     """A lifeline reports a death, the survivor severs its Gloo connections, yet its
     step's collective does not raise (Horovod's loop waits on a connection Gloo had
     already closed: 30 s in a chaos run). Within seconds it is restarted in place with
     its commit; horovodrun sees one worker that exited 0."""
-    proc = shim(agent, tmp_path, job=(STUCK_STEP,))
+    proc = shim(either_agent, tmp_path, job=(STUCK_STEP,))
     out, _ = proc.communicate(timeout=90)
     assert proc.returncode == 0 and "never restarted" not in out, out
     # described with the step it was in (the fault plan's measure), not one of an earlier re-forming

@@ -46,6 +46,9 @@ def cancelled(tmp_path_factory):
 def test_sbatch_trains_to_the_end_through_a_drain_and_a_kill(drained):
     workdir, seen = drained
     assert seen["state"] == {"JobState": "COMPLETED", "ExitCode": "0:0"}
+    # the worker was started by its shim's own agent (a fork of the shim): its death is
+    # marked for the survivors, whatever instant it strikes
+    assert seen["started_by"][1:3] == ["-m", "elastic.launch.shim"], seen["started_by"]
     result = json.loads((workdir / "run" / "result.json").read_text())
     assert result["step"] == 360 and result["world_size"] == 1 and result["metrics"]["accuracy"] > 0.9
     db = workdir / "m.db"

@@ -91,6 +91,21 @@ def run_child(request: dict, fds: list[int]) -> None:
         os._exit(code)
 
 
+def exec_child(request: dict, fds: list[int], keep: int) -> None:
+    """In the forked child of a cold agent: exec a fresh interpreter as the worker the
+    shim asked for, with the shim's stdio and environment and the lifeline channel
+    ``keep`` left open. Never returns."""
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.set_inheritable(keep, True)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):   # ignored ones survive exec
+        signal.signal(signum, signal.SIG_DFL)
+    os.chdir(request["cwd"])
+    os.execve(sys.executable, [sys.executable, *request["target"], *request["args"]],
+              request["env"])
+
+
 def verdict(code: int, siblings: int, since_last_failure: float, window: float) -> str:
     """What a worker's failure costs: ``refilled`` (its slot only) or ``host_excluded``.
 
@@ -117,35 +132,46 @@ class Child:
 
 
 class Agent:
-    def __init__(self, host: str, refill_window: float = REFILL_WINDOW_S):
-        self.host = host
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(socket_name(host))
-        self.listener.listen(64)
+    """``cold``: a shim's own agent for its one worker (:func:`serve_one`), which it starts
+    as a fresh interpreter instead of forking a warm one, and listens for nobody."""
+
+    def __init__(self, host: str, refill_window: float = REFILL_WINDOW_S, cold: bool = False):
+        self.host, self.cold = host, cold
+        self.listener = None
+        if not cold:
+            self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.listener.bind(socket_name(host))
+            self.listener.listen(64)
         self.children: dict[int, Child] = {}
         self.refill_window = refill_window
         self.last_failure = float("-inf")   # monotonic time of this host's last failed worker
         self.unreaped: set[int] = set()     # killed workers ended here, not yet reaped
 
     def serve_forever(self) -> None:
-        while True:
+        """Until killed; a cold agent until its worker has ended for good."""
+        while not (self.cold and not self.children and not self.unreaped):
             sent = {c.lifelines.channel: c for c in self.children.values()}
-            watched = [self.listener, *(c.conn for c in self.children.values()), *sent]
+            watched = [*(c.conn for c in self.children.values()), *sent]
+            if self.listener is not None:
+                watched.append(self.listener)
             # A worker's SIGKILL and its exit are seen by polling; an agent without either
             # sleeps: fifty idle agents polling took 0.3 of 2 cores from a chaos run.
             busy = self.children or self.unreaped
             readable, _, _ = select.select(watched, [], [], 0.01 if busy else 0.5)
             for sock in readable:
                 if sock is self.listener:
-                    conn, _ = self.listener.accept()
-                    message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-                    self._spawn(Child(conn, json.loads(message.decode()), fds))
+                    self.accept(self.listener.accept()[0])
                 elif sock in sent:
                     sent[sock].lifelines.take()
                 else:
                     self._shim_gone(sock)
             self._end_killed()
             self._reap()
+
+    def accept(self, conn: socket.socket) -> None:
+        """A shim's request on ``conn``: its worker's command, environment and stdio."""
+        message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        self._spawn(Child(conn, json.loads(message.decode()), fds))
 
     def _end_killed(self) -> None:
         """A worker SIGKILLed is dead now, though its kernel may take a second to tear its
@@ -169,7 +195,8 @@ class Agent:
         env[AGENT_CHANNEL_ENV] = str(child.lifelines.worker_end.fileno())
         pid = os.fork()
         if pid == 0:
-            self.listener.close()
+            if self.listener is not None:
+                self.listener.close()
             # Nothing of the other slots' shims: a worker holding another shim's output
             # open keeps horovodrun from seeing that shim end (it reads to the end first);
             # nor of their lifelines, which would then outlive their deaths.
@@ -186,6 +213,8 @@ class Agent:
             # be read as this worker's own, by this agent and by a replacement.
             for stale in handoff_files(handoff_path(env.get("HOROVOD_HOSTNAME", ""), os.getpid())):
                 stale.unlink(missing_ok=True)
+            if self.cold:
+                exec_child(child.request, child.fds, child.lifelines.worker_end.fileno())
             run_child(child.request, child.fds)
         child.lifelines.worker_end.close()
         self.children[pid] = child
@@ -287,6 +316,30 @@ def serve(host: str, refill_window: float = REFILL_WINDOW_S) -> None:
     # load); the workers it forked get the same signal from the launcher (one group).
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     agent.serve_forever()
+
+
+def serve_one(host: str, conn: socket.socket) -> None:
+    """A shim's own agent, for a host without one (forked by the shim, which talks to it
+    over ``conn`` as to a host's agent): its worker starts cold, as without an agent, but
+    its death is marked and its lifelines shut at once, and a worker restarted in place
+    gets a fresh one in its slot (elastic/failures/restart.py), instead of its peers waiting
+    out Gloo's 30 s. Signals are the shim's to forward; ends with its worker. Never
+    returns."""
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)   # what it tells a launcher would land in the job's output
+    os.close(devnull)
+    try:
+        agent = Agent(host, cold=True)
+        agent.accept(conn)
+        agent.serve_forever()
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+        os._exit(1)
+    os._exit(0)
 
 
 def name_process(host: str) -> None:

@@ -7,9 +7,11 @@ It asks this host's agent (elastic.launch.agent) to fork the worker, hands over 
 stdin/stdout/stderr, forwards signals to the worker, and exits as the worker did (killed
 by a signal -> killed by the same signal), so horovodrun cannot tell the difference. A
 worker the agent replaced in place (elastic/failures/restart.py) is, to horovodrun, the same one. With
-no agent listening it simply execs ``python -m MODULE ...``, unless the launcher's marker
-(``$REGATTA_AGENTS_WARMING``) says the agents are still warming up: then it waits for its
-agent. Imports nothing heavy.
+no agent listening (and no launcher's marker, ``$REGATTA_AGENTS_WARMING``, saying the
+agents are still warming up: then it waits for its agent) it forks an agent of its own,
+which starts ``python -m MODULE ...`` cold: a worker's death is then marked and its
+lifelines shut by that agent, and a worker restarted in place gets a fresh one, as
+under a host's agent. Imports nothing heavy.
 """
 from __future__ import annotations
 
@@ -27,8 +29,16 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 WARMING_WAIT_S = 120.0   # an agent still warming up after this is not coming
 
 
-def _exec_directly(target: list[str], args: list[str]) -> None:
-    os.execv(sys.executable, [sys.executable, *target, *args])
+def _own_agent(host: str) -> socket.socket:
+    """No agent on this host: fork one for this worker alone (agent.serve_one), and a
+    connection to it. Its worker starts cold, but dies and restarts as a warm agent's do."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    if os.fork() == 0:
+        ours.close()
+        from .agent import serve_one
+        serve_one(host, theirs)
+    theirs.close()
+    return ours
 
 
 def _connect(host: str) -> socket.socket | None:
@@ -70,10 +80,7 @@ def main(argv: list[str]) -> None:
     # Held from before the worker exists until they can be forwarded to it: a signal in
     # between would kill the shim, and the agent would SIGKILL the worker unwarned.
     signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
-    conn = _connect(host)
-    if conn is None:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)   # exec keeps the mask
-        _exec_directly(target, args)
+    conn = _connect(host) or _own_agent(host)
     request = {"target": target, "args": args, "cwd": os.getcwd(), "env": dict(os.environ)}
     socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
     stream = conn.makefile("r")

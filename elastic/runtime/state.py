@@ -76,8 +76,9 @@ class RuntimeState(State):
 
     def restore(self) -> None:
         """After a failed collective, before Horovod re-initialises."""
-        self.prepare_reset()
+        # Noticed now: leaving the world can take a while (Horovod's shutdown)
         self.interrupted_at = self.interrupted_at or time.time()
+        self.prepare_reset()
         failed_at = self.restored_from = self.step
         self.restore_committed()
         self.runtime.restored(self, failed_at)
