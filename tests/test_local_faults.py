@@ -70,12 +70,30 @@ def _nobody_run(tmp: Path):
     return tmp, json.loads((tmp / "report.json").read_text()), before, machine_network()
 
 
+STORY = ("fault_injected", "peer_lost", "restore", "restart_in_place", "severed_while_recovering",
+         "lifeline_failed", "handoff_loaded", "no_place", "cut_off", "sync", "resumed", "finish",
+         "slot_failed", "worker_replaced", "start")
+
+
+def recovery_story(tmp: Path, report: dict, since: float) -> str:
+    """What every process did from ``since`` on, and the end of horovodrun's log: the
+    message of a failed assertion, since the fixture removes the run's folder."""
+    lines = [f"{e['wall_time'] - since:+8.3f} {e['host']} pid {e.get('pid')} {e['kind']} "
+             + json.dumps({k: v for k, v in e.items() if k not in ("wall_time", "host", "pid", "kind")})[:300]
+             for e in sorted(report["events"], key=lambda e: e["wall_time"])
+             if e["wall_time"] >= since and e["kind"] in STORY]
+    log = tmp / "run" / "horovodrun.log"
+    tail = log.read_text(errors="replace")[-4000:] if log.exists() else "(no horovodrun.log)"
+    return "\n".join(lines[:150]) + "\n--- horovodrun.log ---\n" + tail
+
+
 def test_unprivileged_run_recovers_from_rank_0_killed_from_outside(nobody_run):
     tmp, report, _, _ = nobody_run
     assert report["network"] == "netns" and report["exit_code"] == 0
     failure, added = report["changes"]
     assert failure["kind"] == "failure" and failure["host"] == "127.0.0.2" and failure["slot"] == 0
-    assert failure["size_after"] == 2 and 0 <= failure["steps_redone"] <= 10, (failure, added)
+    assert failure["size_after"] == 2 and 0 <= failure["steps_redone"] <= 10, \
+        (failure, added, recovery_story(tmp, report, failure["wall_time"] - 0.5))
     started = [e for e in kinds(report, "start") if e["host"] == "127.0.0.2"]
     assert failure["pid"] == started[0]["pid"]            # the training process itself
     assert added["kind"] == "host_added" and added["size_after"] == 3

@@ -57,6 +57,8 @@ def python_target(words: list[str]) -> tuple[list[str], list[str]] | None:
     """``(["-m", module] or [path], its arguments)`` of the Python program a line runs."""
     for i, word in enumerate(words):
         if word.endswith("python"):
+            if words[i + 1:i + 3] == ["-m", "elastic.launch.shim"]:   # it runs what follows
+                i += 2
             if words[i + 1] == "-m":
                 return words[i + 1:i + 3], words[i + 3:]
             return words[i + 1:i + 2], words[i + 2:]

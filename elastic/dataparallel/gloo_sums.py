@@ -41,7 +41,6 @@ class GlooSums:
         """Over ``group``, opened for ``world`` here unless it is already (every rank of
         ``world`` calls this together)."""
         group.open_for(world, collectives)
-        self.group, self.world = group, world
 
     def allreduce_sum_async(self, tensors: list[torch.Tensor], name: str) -> GlooRequest:
         """Start summing each of ``tensors`` in place; ``name`` is Horovod's, unused here
