@@ -91,21 +91,6 @@ def run_child(request: dict, fds: list[int]) -> None:
         os._exit(code)
 
 
-def exec_child(request: dict, fds: list[int], keep: int) -> None:
-    """In the forked child of a cold agent: exec a fresh interpreter as the worker the
-    shim asked for, with the shim's stdio and environment and the lifeline channel
-    ``keep`` left open. Never returns."""
-    for target, fd in enumerate(fds):
-        os.dup2(fd, target)
-        os.close(fd)
-    os.set_inheritable(keep, True)
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):   # ignored ones survive exec
-        signal.signal(signum, signal.SIG_DFL)
-    os.chdir(request["cwd"])
-    os.execve(sys.executable, [sys.executable, *request["target"], *request["args"]],
-              request["env"])
-
-
 def verdict(code: int, siblings: int, since_last_failure: float, window: float) -> str:
     """What a worker's failure costs: ``refilled`` (its slot only) or ``host_excluded``.
 
@@ -132,7 +117,7 @@ class Child:
 
 
 class Agent:
-    """``cold``: a shim's own agent for its one worker (:func:`serve_one`), which it starts
+    """``cold``: a shim's own agent for its one worker (own_agent.py), which it starts
     as a fresh interpreter instead of forking a warm one, and listens for nobody."""
 
     def __init__(self, host: str, refill_window: float = REFILL_WINDOW_S, cold: bool = False):
@@ -214,6 +199,7 @@ class Agent:
             for stale in handoff_files(handoff_path(env.get("HOROVOD_HOSTNAME", ""), os.getpid())):
                 stale.unlink(missing_ok=True)
             if self.cold:
+                from .own_agent import exec_child
                 exec_child(child.request, child.fds, child.lifelines.worker_end.fileno())
             run_child(child.request, child.fds)
         child.lifelines.worker_end.close()
@@ -316,30 +302,6 @@ def serve(host: str, refill_window: float = REFILL_WINDOW_S) -> None:
     # load); the workers it forked get the same signal from the launcher (one group).
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     agent.serve_forever()
-
-
-def serve_one(host: str, conn: socket.socket) -> None:
-    """A shim's own agent, for a host without one (forked by the shim, which talks to it
-    over ``conn`` as to a host's agent): its worker starts cold, as without an agent, but
-    its death is marked and its lifelines shut at once, and a worker restarted in place
-    gets a fresh one in its slot (elastic/failures/restart.py), instead of its peers waiting
-    out Gloo's 30 s. Signals are the shim's to forward; ends with its worker. Never
-    returns."""
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(signum, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)   # what it tells a launcher would land in the job's output
-    os.close(devnull)
-    try:
-        agent = Agent(host, cold=True)
-        agent.accept(conn)
-        agent.serve_forever()
-    except BaseException:
-        import traceback
-        traceback.print_exc()
-        os._exit(1)
-    os._exit(0)
 
 
 def name_process(host: str) -> None:

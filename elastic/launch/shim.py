@@ -30,12 +30,12 @@ WARMING_WAIT_S = 120.0   # an agent still warming up after this is not coming
 
 
 def _own_agent(host: str) -> socket.socket:
-    """No agent on this host: fork one for this worker alone (agent.serve_one), and a
+    """No agent on this host: fork one for this worker alone (own_agent.serve_one), and a
     connection to it. Its worker starts cold, but dies and restarts as a warm agent's do."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     if os.fork() == 0:
         ours.close()
-        from .agent import serve_one
+        from .own_agent import serve_one
         serve_one(host, theirs)
     theirs.close()
     return ours
