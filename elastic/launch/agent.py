@@ -29,6 +29,7 @@ import sys
 import time
 
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 from ..failures.restart import (AGENT_CHANNEL_ENV, AGENT_CHILD_ENV, CUT_OFF_EXIT, HANDOFF_ENV,
@@ -117,13 +118,17 @@ class Child:
 
 
 class Agent:
-    """``cold``: a shim's own agent for its one worker (own_agent.py), which it starts
-    as a fresh interpreter instead of forking a warm one, and listens for nobody."""
+    """``exec_worker``: given, this is a shim's own agent for its one worker
+    (own_agent.py), which listens for nobody and, in the forked child, starts the worker
+    with ``exec_worker(request, fds, lifeline_fd)`` as a fresh interpreter instead of
+    becoming a warm one."""
 
-    def __init__(self, host: str, refill_window: float = REFILL_WINDOW_S, cold: bool = False):
-        self.host, self.cold = host, cold
+    def __init__(self, host: str, refill_window: float = REFILL_WINDOW_S,
+                 exec_worker: Callable[[dict, list[int], int], None] | None = None):
+        self.host, self.exec_worker = host, exec_worker
+        self.cold = exec_worker is not None
         self.listener = None
-        if not cold:
+        if not self.cold:
             self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self.listener.bind(socket_name(host))
             self.listener.listen(64)
@@ -198,9 +203,8 @@ class Agent:
             # be read as this worker's own, by this agent and by a replacement.
             for stale in handoff_files(handoff_path(env.get("HOROVOD_HOSTNAME", ""), os.getpid())):
                 stale.unlink(missing_ok=True)
-            if self.cold:
-                from .own_agent import exec_child
-                exec_child(child.request, child.fds, child.lifelines.worker_end.fileno())
+            if self.exec_worker is not None:
+                self.exec_worker(child.request, child.fds, child.lifelines.worker_end.fileno())
             run_child(child.request, child.fds)
         child.lifelines.worker_end.close()
         self.children[pid] = child

@@ -10,7 +10,7 @@ import socket
 import sys
 
 from .agent import Agent
-from .shim import FORWARDED   # the shim's to forward: the worker's to act on
+from .agent_address import FORWARDED   # the shim's to forward: the worker's to act on
 
 
 def exec_child(request: dict, fds: list[int], keep: int) -> None:
@@ -42,7 +42,7 @@ def serve_one(host: str, conn: socket.socket) -> None:
     os.dup2(devnull, 1)   # what it tells a launcher would land in the job's output
     os.close(devnull)
     try:
-        agent = Agent(host, cold=True)
+        agent = Agent(host, exec_worker=exec_child)
         agent.accept(conn)
         agent.serve_forever()
     except BaseException:

@@ -22,10 +22,9 @@ import socket
 import sys
 import time
 
-from .agent_address import WARMING_ENV, socket_name
+from .agent_address import FORWARDED, WARMING_ENV, socket_name
 
 
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 WARMING_WAIT_S = 120.0   # an agent still warming up after this is not coming
 
 
