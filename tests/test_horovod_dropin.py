@@ -67,14 +67,23 @@ def test_the_killed_run_finishes_on_the_survivors_from_their_live_state(killed):
     assert report["exit_code"] == 0 and report["final_world_size"] == 2
     (change,) = report["changes"]
     assert change["kind"] == "failure" and change["size_after"] == 2
+    after = lambda kind: [e for e in kinds(report, kind) if e["wall_time"] > change["wall_time"]]
+    # A survivor whose step's collective outlived the sever is restarted in place (seen
+    # in a fresh clone, 2026-12-07): its replacement starts without live state, takes the
+    # other's, and costs the first step about 1.5 s more.
+    restarted = {e["host"] for e in after("restart_in_place")}
+    assert len(restarted) <= 1, restarted
     # loose: the bench holds the figure (0.25 s here on 2026-12-06)
-    assert change["first_step_done_s"] < 2.0
+    assert change["first_step_done_s"] < (4.0 if restarted else 2.0), (change, restarted)
     assert change["recovered_from"] == "recovered_live" and change["steps_redone"] == 0
-    assert change["moved_bytes"] == 0
     # every survivor went on from one state: the digests of model, momentum and the
     # attributes (epoch, batch, the sampler's position) agree after the reset
-    synced = [e for e in kinds(report, "sync") if e["wall_time"] > change["wall_time"]]
+    synced = after("sync")
     assert len(synced) == 2 and len({e["state_hash"] for e in synced}) == 1
+    # only a replacement receives state; a survivor that kept its own receives nothing
+    received = {e["host"]: e["received_bytes"] for e in synced}
+    assert {host for host, n in received.items() if n > 0} == restarted, (received, restarted)
+    assert change["moved_bytes"] == max(received.values())
     loss, accuracy = printed_test(tmp / "run")
     assert accuracy > 80.0
 

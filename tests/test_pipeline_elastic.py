@@ -183,6 +183,8 @@ def test_survivors_go_on_from_their_live_stages_bit_for_bit(kill_run):
     assert {(e["source"], e["recovery"]) for e in synced} == {("live", "recovered_live")}
     assert {e["param_hash"] for e in synced} == {committed(unfailed, 27, float("inf"))}
     assert len(kinds(report, "recovered_live")) == 3 and not kinds(report, "restored_commit")
+    received = {e["host"]: e["received_bytes"] for e in synced}
+    assert {e["host"]: e["moved_bytes"] for e in kinds(report, "recovered_live")} == received
     # What each survivor held live (its old stage) against what it builds now.
     old = {e["host"]: e["children"] for e in kinds(report, "sync") if e["wall_time"] < failed}
     for sync in synced:

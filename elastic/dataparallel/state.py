@@ -168,7 +168,7 @@ class TrainState(RuntimeState):
         rank = self.runtime.world.rank
         detail = {"source": "live", "recovery": plan.kind, "from_step": plan.step,
                   "senders": list(plan.sources), "behind": list(plan.behind),
-                  "disagreeing": list(plan.disagreeing), "moved_bytes": 0}
+                  "disagreeing": list(plan.disagreeing), "moved_bytes": 0, "received_bytes": 0}
         if not plan.needs:
             return detail
         flat = Flat.of(self.live()) if rank in plan.sources else None
@@ -227,7 +227,7 @@ class TrainState(RuntimeState):
                   "parts": [[p.owner, p.start, p.end] for p in parts]}
         needs = [not (i["current"] and i["commit"]["step"] == step) for i in inventory]
         if not any(needs):
-            return {**detail, "moved_bytes": 0}
+            return {**detail, "moved_bytes": 0, "received_bytes": 0}
         root = min(i["rank"] for i in items if i["step"] == step)
         mine = self._commit if self._commit is not None and self._commit.step == step else None
         skeleton, on_cuda = self.runtime.collectives.broadcast_object(

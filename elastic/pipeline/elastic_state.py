@@ -137,8 +137,9 @@ class ElasticPipeline(RuntimeState):
         # step may fill in where they are nearer, the same bytes)
         source = "checkpoint" if from_disk else "seed" if step is None else \
             "live" if cover([i for i in items if i["live"]], step) else "memory"
+        # moved_bytes as the data-parallel engine counts it: the state this rank received
         detail = {"source": source, "from_step": self.run.step, "children": list(self.run.children),
-                  **moved}
+                  **moved, "moved_bytes": moved["received_bytes"]}
         return {**detail, **recovery_of(source, items, step)}
 
     def write_checkpoint(self) -> dict | None:
